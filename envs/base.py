@@ -1,0 +1,95 @@
+"""The environment interface every rsiflow env implements.
+
+An env instance plays one episode at a time: `reset(task)` then `step(action)` until done.
+Task sets are deterministic: `sample_tasks(split, n, seed)` always returns the same tasks.
+Bad actions (unparseable, not admissible) never raise: they return an observation that says
+what was wrong, `info["valid"] = False`, and the episode goes on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+SPLITS = ("train", "heldout")
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One task: enough to rebuild it exactly (the env regenerates its world from `spec`)."""
+
+    env: str
+    split: str
+    task_type: str
+    seed: int
+    spec: dict[str, Any] = field(hash=False, compare=False)
+
+    @property
+    def task_id(self) -> str:
+        payload = json.dumps([self.env, self.split, self.task_type, self.seed, self.spec], sort_keys=True)
+        return f"{self.env}-{hashlib.sha1(payload.encode()).hexdigest()[:12]}"
+
+    def to_row(self) -> dict[str, Any]:
+        return {"task_id": self.task_id, "env": self.env, "split": self.split,
+                "task_type": self.task_type, "seed": self.seed, "spec": json.dumps(self.spec, sort_keys=True)}
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> "TaskSpec":
+        spec = row["spec"] if isinstance(row["spec"], dict) else json.loads(row["spec"])
+        return cls(env=row["env"], split=row["split"], task_type=row["task_type"], seed=int(row["seed"]), spec=spec)
+
+
+@dataclass
+class StepResult:
+    observation: str
+    reward: float
+    done: bool
+    success: bool
+    # info["valid"]: bool, whether the action was understood and executed;
+    # info["feedback"]: "ok" | "unparseable" | "inadmissible" | "failed_precondition" | ...
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Env(ABC):
+    """One episode at a time. Subclasses set `name` and `task_types`."""
+
+    name: ClassVar[str]
+    task_types: ClassVar[tuple[str, ...]]
+
+    @abstractmethod
+    def sample_tasks(self, split: str, n: int, seed: int) -> list[TaskSpec]:
+        """`n` tasks of `split` ("train" or "heldout"), deterministic in `seed`, task types round-robin."""
+
+    @abstractmethod
+    def reset(self, task: TaskSpec) -> str:
+        """Start `task`; return the first observation (it states the goal)."""
+
+    @abstractmethod
+    def step(self, action: str) -> StepResult:
+        """Apply one action text. Never raises on bad text: returns feedback instead."""
+
+    def admissible_actions(self) -> list[str] | None:
+        """The actions valid now, where the env knows them (None where it doesn't)."""
+        return None
+
+    @abstractmethod
+    def hindsight(self) -> list[str]:
+        """Privileged facts about the current episode (where things were, what was missed)."""
+
+    @abstractmethod
+    def canonicalize(self, action: str) -> str:
+        """A typed `verb<role,...>` symbol without concrete arguments, e.g. `go<receptacle>`."""
+
+    @abstractmethod
+    def instructions(self) -> str:
+        """System-prompt text: what the agent is, and the exact action format."""
+
+    def expert_action(self) -> str | None:
+        """A scripted expert's next action from the current state, where the env has one."""
+        return None
+
+    def close(self) -> None:
+        """Release resources (a JVM, a subprocess). Household has none."""
