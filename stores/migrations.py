@@ -1,0 +1,220 @@
+"""Numbered schema migrations for the rsiflow DuckDB store.
+
+`MIGRATIONS` is an ordered list of (version, name, sql). Opening a writable `Store` applies
+every version not yet recorded in `schema_migrations`, each in its own transaction, so a
+migration either lands completely (with its `schema_migrations` row) or not at all.
+Adding a schema change is one new entry at the end of the list; never edit an applied one.
+
+Conventions:
+- Every table a pipeline step writes carries (run_id, round, step). `Store.step` finds these
+  tables by their columns, so a table added by a later migration is cleared on a step rerun
+  without further code.
+- Timestamps are UTC, stored as TIMESTAMP (no time zone).
+- JSON columns hold JSON text; the store serialises Python dicts/lists on insert.
+- Few indexes: DuckDB's per-row-group min/max statistics already serve range filters such as
+  `WHERE run_id = ? AND round = ?`. ART indexes are kept to the id lookups that lineage
+  queries join on, and left off `turns`, the one table that grows to millions of rows.
+"""
+
+from datetime import datetime, timezone
+
+import duckdb
+
+INITIAL_SCHEMA = """
+CREATE TABLE runs (
+    run_id      VARCHAR PRIMARY KEY,
+    name        VARCHAR,
+    config      JSON,
+    base_model  VARCHAR,
+    created_at  TIMESTAMP
+);
+
+CREATE TABLE rounds (
+    run_id          VARCHAR,
+    round           INTEGER,
+    status          VARCHAR CHECK (status IN ('running', 'completed', 'failed')),
+    champion_before VARCHAR,
+    champion_after  VARCHAR,
+    started_at      TIMESTAMP,
+    finished_at     TIMESTAMP,
+    metrics         JSON,
+    PRIMARY KEY (run_id, round)
+);
+
+CREATE TABLE steps (
+    run_id      VARCHAR,
+    round       INTEGER,
+    step        VARCHAR,
+    status      VARCHAR CHECK (status IN ('running', 'completed', 'failed')),
+    started_at  TIMESTAMP,
+    finished_at TIMESTAMP,
+    error       VARCHAR,
+    PRIMARY KEY (run_id, round, step)
+);
+
+CREATE TABLE models (
+    model_id      VARCHAR PRIMARY KEY,
+    parent_id     VARCHAR,
+    run_id        VARCHAR,
+    round         INTEGER,
+    step          VARCHAR,
+    path          VARCHAR,
+    role          VARCHAR CHECK (role IN ('base', 'candidate', 'champion', 'rejected')),
+    train_metrics JSON,
+    created_at    TIMESTAMP DEFAULT (now() AT TIME ZONE 'UTC')
+);
+
+CREATE TABLE tasks (
+    run_id    VARCHAR,
+    round     INTEGER,
+    step      VARCHAR,
+    task_id   VARCHAR,
+    env       VARCHAR,
+    split     VARCHAR,
+    task_type VARCHAR,
+    seed      BIGINT,
+    spec      JSON
+);
+
+CREATE TABLE trajectories (
+    traj_id       VARCHAR,
+    run_id        VARCHAR,
+    round         INTEGER,
+    step          VARCHAR,
+    task_id       VARCHAR,
+    model_id      VARCHAR,
+    group_id      VARCHAR,
+    sample_idx    INTEGER,
+    purpose       VARCHAR CHECK (purpose IN ('train', 'eval')),
+    status        VARCHAR CHECK (status IN ('success', 'failure', 'error')),
+    success       BOOLEAN,
+    reward        DOUBLE,
+    n_turns       INTEGER,
+    error         VARCHAR,
+    hindsight     JSON,
+    workflow_id   VARCHAR,
+    agent_role    VARCHAR,
+    prompt_tokens BIGINT,
+    gen_tokens    BIGINT,
+    wall_s        DOUBLE
+);
+
+CREATE TABLE turns (
+    traj_id       VARCHAR,
+    run_id        VARCHAR,
+    round         INTEGER,
+    step          VARCHAR,
+    turn_idx      INTEGER,
+    observation   VARCHAR,
+    action_text   VARCHAR,
+    action_symbol VARCHAR,
+    token_ids     INTEGER[],
+    logprobs      FLOAT[],
+    reward        DOUBLE,
+    done          BOOLEAN,
+    valid         BOOLEAN,
+    feedback      VARCHAR,
+    wall_s        DOUBLE
+);
+
+CREATE TABLE examples (
+    example_id     VARCHAR,
+    run_id         VARCHAR,
+    round          INTEGER,
+    step           VARCHAR,
+    method         VARCHAR,
+    source_traj_id VARCHAR,
+    messages       JSON,
+    weight         DOUBLE,
+    meta           JSON
+);
+
+-- Which examples trained which candidate model.
+CREATE TABLE train_inputs (
+    model_id   VARCHAR,
+    example_id VARCHAR,
+    run_id     VARCHAR,
+    round      INTEGER,
+    step       VARCHAR
+);
+
+CREATE TABLE evaluations (
+    eval_id            VARCHAR,
+    run_id             VARCHAR,
+    round              INTEGER,
+    step               VARCHAR,
+    model_id           VARCHAR,
+    split              VARCHAR,
+    env                VARCHAR,
+    task_type          VARCHAR,  -- '*' = all task types together
+    n                  INTEGER,
+    successes          INTEGER,
+    success_rate       DOUBLE,
+    ci_low             DOUBLE,
+    ci_high            DOUBLE,
+    tokens_per_success DOUBLE,
+    win_rate           DOUBLE
+);
+
+CREATE TABLE gate_decisions (
+    run_id          VARCHAR,
+    round           INTEGER,
+    step            VARCHAR,
+    candidate_id    VARCHAR,
+    champion_id     VARCHAR,
+    decision        VARCHAR CHECK (decision IN ('promote', 'reject')),
+    rule            VARCHAR,
+    evidence        JSON,
+    new_champion_id VARCHAR,
+    decided_at      TIMESTAMP DEFAULT (now() AT TIME ZONE 'UTC')
+);
+
+CREATE INDEX models_run_round ON models (run_id, round);
+CREATE INDEX trajectories_traj_id ON trajectories (traj_id);
+CREATE INDEX trajectories_model_id ON trajectories (model_id);
+CREATE INDEX examples_example_id ON examples (example_id);
+CREATE INDEX train_inputs_model_id ON train_inputs (model_id);
+CREATE INDEX evaluations_model_id ON evaluations (model_id);
+CREATE INDEX gate_decisions_run_round ON gate_decisions (run_id, round);
+"""
+
+# (version, name, sql). Append only.
+MIGRATIONS: list[tuple[int, str, str]] = [
+    (1, "initial schema", INITIAL_SCHEMA),
+]
+
+
+def applied_versions(con: duckdb.DuckDBPyConnection) -> set[int]:
+    """Versions recorded in `schema_migrations` (empty if the table does not exist yet)."""
+    exists = con.sql(
+        "SELECT count(*) FROM information_schema.tables WHERE table_name = 'schema_migrations'"
+    ).fetchall()[0][0]
+    if not exists:
+        return set()
+    return {v for (v,) in con.sql("SELECT version FROM schema_migrations").fetchall()}
+
+
+def apply_migrations(con: duckdb.DuckDBPyConnection) -> list[int]:
+    """Apply pending migrations in version order, one transaction each; return the versions applied."""
+    con.execute(
+        "CREATE TABLE IF NOT EXISTS schema_migrations ("
+        " version INTEGER PRIMARY KEY, name VARCHAR, applied_at TIMESTAMP)"
+    )
+    done = applied_versions(con)
+    applied = []
+    for version, name, sql in sorted(MIGRATIONS):
+        if version in done:
+            continue
+        con.begin()
+        try:
+            con.execute(sql)
+            con.execute(
+                "INSERT INTO schema_migrations VALUES (?, ?, ?)",
+                [version, name, datetime.now(timezone.utc).replace(tzinfo=None)],
+            )
+            con.commit()
+        except BaseException:
+            con.rollback()
+            raise
+        applied.append(version)
+    return applied

@@ -1,0 +1,444 @@
+"""The rsiflow store: one DuckDB file per project holding every artifact with its lineage.
+
+Usage is short-lived: a pipeline step opens the store, writes its rows in one transaction,
+and closes it, so that `rsiflow status` (or a person with the duckdb CLI) can read between
+steps. DuckDB lets one process write a file at a time; a second opener waits up to `wait_s`
+and then gets a `StoreLockedError` that names the file and the holder.
+
+Writes of a step go through `Store.step`:
+
+    with Store(path) as store, store.step(run_id, round, "generate") as tx:
+        tx.insert("trajectories", trajectories)   # list of dicts or a pyarrow.Table
+        tx.insert("turns", turns_table)
+
+Entering the block deletes every row the same (run_id, round, step) wrote before, so a
+rerun replaces rows instead of duplicating them; leaving it commits (or rolls back and marks
+the step failed). A process killed mid-step leaves the file as of the last commit.
+"""
+
+import json
+import re
+import time
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator
+
+import duckdb
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from stores.migrations import apply_migrations
+
+Rows = list[dict[str, Any]] | pa.Table
+
+STEP_KEY = ("run_id", "round", "step")
+
+# Tables keyed by (run_id, round, step) that Store.step must not clear: `steps` is the
+# step's own status row.
+_NOT_STEP_DATA = {"steps"}
+
+
+class StoreLockedError(RuntimeError):
+    """Another process holds the DuckDB file's write lock."""
+
+
+def _utcnow() -> datetime:
+    return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+def _json_text(value: Any) -> str | None:
+    """Serialise a Python value for a JSON column; a str is taken as JSON text already."""
+    if value is None or isinstance(value, str):
+        return value
+    return json.dumps(value)
+
+
+def _is_lock_error(err: duckdb.Error) -> bool:
+    return isinstance(err, duckdb.IOException) and "lock" in str(err).lower()
+
+
+class StepWriter:
+    """Writes of one pipeline step, inside the transaction opened by `Store.step`."""
+
+    def __init__(self, store: "Store", run_id: str, round: int, step: str):
+        self.store = store
+        self.run_id = run_id
+        self.round = round
+        self.step = step
+
+    def insert(self, table: str, rows: Rows) -> int:
+        """Insert rows into `table`; return how many.
+
+        In tables keyed by (run_id, round, step) the key columns are filled with this step's
+        key when absent; present, they must equal it (otherwise a rerun could not replace them).
+        """
+        key = (self.run_id, self.round, self.step)
+        return self.store._insert(table, rows, key if table in self.store.step_tables else None)
+
+    def execute(self, sql: str, params: list | dict | None = None) -> list[tuple]:
+        """Run one SQL statement (e.g. `UPDATE models SET role = ...`) inside the step's
+        transaction and return its rows (for an UPDATE or DELETE: `[(rows_changed,)]`).
+
+        The result is fetched at once because DuckDB 2.0 refuses further work on a connection
+        that holds an unfinished result.
+        """
+        return self.store.con.execute(sql, params).fetchall()
+
+
+class Store:
+    """One project's DuckDB file: schema migrations, step transactions, run/round bookkeeping,
+    dataset export and lineage queries."""
+
+    def __init__(self, path: str | Path, read_only: bool = False, wait_s: float = 30.0):
+        """Open (creating parent folders) and, unless `read_only`, apply pending migrations.
+
+        If another process holds the file's lock, retry for up to `wait_s` seconds, then raise
+        `StoreLockedError`.
+        """
+        self.path = Path(path)
+        self.read_only = read_only
+        if not read_only:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._con = self._connect(wait_s)
+        if not read_only:
+            apply_migrations(self._con)
+        self._schemas: dict[str, tuple[pa.Schema, set[str]]] = {}
+        self.step_tables = self._find_step_tables()
+
+    def _connect(self, wait_s: float) -> duckdb.DuckDBPyConnection:
+        deadline = time.monotonic() + wait_s
+        delay = 0.05
+        while True:
+            try:
+                return duckdb.connect(str(self.path), read_only=self.read_only)
+            except duckdb.Error as err:
+                if not _is_lock_error(err):
+                    raise
+                if time.monotonic() >= deadline:
+                    raise self._locked_error(err, wait_s) from err
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 1.0)
+
+    def _locked_error(self, err: duckdb.Error, wait_s: float) -> StoreLockedError:
+        pid = re.search(r"PID (\d+)", str(err))
+        holder = f"process {pid.group(1)}" if pid else "another process"
+        return StoreLockedError(
+            f"store {self.path} is locked by {holder} (waited {wait_s:g} s). DuckDB allows one "
+            f"process to open a file for writing: wait for that process to finish (pipeline "
+            f"steps hold the store only while they write), stop it, or open with a longer "
+            f"wait_s. DuckDB said: {err}"
+        )
+
+    @property
+    def con(self) -> duckdb.DuckDBPyConnection:
+        """The DuckDB connection, for plain SQL."""
+        return self._con
+
+    def close(self) -> None:
+        """Close the connection (DuckDB checkpoints the WAL into the file on close)."""
+        self._con.close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- inserts --------------------------------------------------------------------------
+
+    def _find_step_tables(self) -> set[str]:
+        """Tables with run_id, round and step columns, whose rows belong to one pipeline step."""
+        rows = self._con.sql(
+            "SELECT table_name FROM information_schema.columns"
+            " WHERE table_schema = 'main' AND column_name IN ('run_id', 'round', 'step')"
+            " GROUP BY table_name HAVING count(*) = 3"
+        ).fetchall()
+        return {t for (t,) in rows} - _NOT_STEP_DATA
+
+    def _schema(self, table: str) -> tuple[pa.Schema, set[str]]:
+        """The Arrow schema DuckDB gives `table` (JSON columns appear as strings) and the
+        names of its JSON columns."""
+        if table not in self._schemas:
+            json_cols = self._con.sql(
+                "SELECT column_name, data_type = 'JSON' FROM information_schema.columns"
+                " WHERE table_schema = 'main' AND table_name = ?",
+                params=[table],
+            ).fetchall()
+            if not json_cols:
+                raise ValueError(f"unknown table {table!r}")
+            schema = self._con.sql(f'SELECT * FROM "{table}" LIMIT 0').to_arrow_table().schema
+            self._schemas[table] = (schema, {name for name, is_json in json_cols if is_json})
+        return self._schemas[table]
+
+    def _to_arrow(self, table: str, rows: Rows) -> pa.Table:
+        """Check column names against `table` and build an Arrow table of the given columns."""
+        schema, json_cols = self._schema(table)
+        if isinstance(rows, pa.Table):
+            columns = rows.column_names
+        else:
+            columns = list(dict.fromkeys(k for r in rows for k in r))  # union, in first-seen order
+        unknown = [c for c in columns if schema.get_field_index(c) < 0]
+        if unknown:
+            raise ValueError(f"table {table!r} has no column {unknown[0]!r}")
+        if isinstance(rows, pa.Table):
+            return rows
+        json_cols = json_cols & set(columns)
+        if json_cols:
+            rows = [{k: (_json_text(v) if k in json_cols else v) for k, v in r.items()} for r in rows]
+        return pa.Table.from_pylist(rows, schema=pa.schema([schema.field(c) for c in columns]))
+
+    def _with_step_key(self, table: str, data: pa.Table, key: tuple[str, int, str]) -> pa.Table:
+        """Fill absent key columns with `key`; check present ones equal it."""
+        schema, _ = self._schema(table)
+        for name, value in zip(STEP_KEY, key):
+            if name in data.column_names:
+                col = data.column(name)
+                if col.null_count or not pc.all(pc.equal(col, pa.scalar(value, col.type))).as_py():
+                    raise ValueError(
+                        f"rows for {table!r} must have {name} = {value!r} (the step's key); "
+                        f"leave the column out to have it filled in"
+                    )
+            else:
+                field = schema.field(name)
+                data = data.append_column(field, pa.repeat(pa.scalar(value, field.type), data.num_rows))
+        return data
+
+    def _insert(self, table: str, rows: Rows, step_key: tuple[str, int, str] | None) -> int:
+        """Bulk insert through Arrow; columns left out get their default (NULL unless declared)."""
+        if not isinstance(rows, pa.Table) and not rows:
+            return 0
+        data = self._to_arrow(table, rows)
+        if step_key is not None:
+            data = self._with_step_key(table, data, step_key)
+        if data.num_rows == 0:
+            return 0
+        view = "__rsiflow_insert"
+        self._con.register(view, data)
+        # No try/finally: after a failed INSERT the transaction is aborted and unregister()
+        # would fail too, hiding the real error. The next insert or close() drops the view.
+        self._con.execute(f'INSERT INTO "{table}" BY NAME SELECT * FROM {view}')
+        self._con.unregister(view)
+        return data.num_rows
+
+    # ---- step transactions ----------------------------------------------------------------
+
+    @contextmanager
+    def step(self, run_id: str, round: int, step: str) -> Iterator[StepWriter]:
+        """One transaction for a pipeline step's writes, keyed by (run_id, round, step).
+
+        On enter: BEGIN, mark the step running, delete every row the key wrote before (in all
+        step-keyed tables, including `models` rows created by the step). On normal exit: mark
+        it completed and COMMIT. On an exception: ROLLBACK, record the step as failed with the
+        error text in a new transaction, and re-raise.
+        """
+        con = self._con
+        started = _utcnow()
+        con.begin()
+        try:
+            con.execute(
+                "INSERT OR REPLACE INTO steps VALUES (?, ?, ?, 'running', ?, NULL, NULL)",
+                [run_id, round, step, started],
+            )
+            for table in sorted(self.step_tables):
+                con.execute(
+                    f'DELETE FROM "{table}" WHERE run_id = ? AND round = ? AND step = ?',
+                    [run_id, round, step],
+                )
+            yield StepWriter(self, run_id, round, step)
+            con.execute(
+                "UPDATE steps SET status = 'completed', finished_at = ?"
+                " WHERE run_id = ? AND round = ? AND step = ?",
+                [_utcnow(), run_id, round, step],
+            )
+            con.commit()
+        except BaseException as err:
+            con.rollback()
+            con.execute(
+                "INSERT OR REPLACE INTO steps VALUES (?, ?, ?, 'failed', ?, ?, ?)",
+                [run_id, round, step, started, _utcnow(), f"{type(err).__name__}: {err}"],
+            )
+            raise
+
+    # ---- runs and rounds ------------------------------------------------------------------
+
+    def create_run(self, run_id: str, name: str, config: dict, base_model: str) -> None:
+        """Record a run. Creating it again with the same config is a no-op; with a different
+        config it is a ValueError (start a new run id instead)."""
+        existing = self.get_run(run_id)
+        if existing is not None:
+            if existing["config"] != json.loads(json.dumps(config)):
+                raise ValueError(
+                    f"run {run_id!r} already exists with a different config; "
+                    f"use a new run id for a new config"
+                )
+            return
+        self._con.execute(
+            "INSERT INTO runs VALUES (?, ?, ?, ?, ?)",
+            [run_id, name, json.dumps(config), base_model, _utcnow()],
+        )
+
+    def get_run(self, run_id: str) -> dict | None:
+        """The run's row with its config parsed, or None."""
+        rows = self._dicts("SELECT * FROM runs WHERE run_id = ?", [run_id], json_cols=("config",))
+        return rows[0] if rows else None
+
+    def list_runs(self) -> list[dict]:
+        """All runs, oldest first, configs parsed."""
+        return self._dicts("SELECT * FROM runs ORDER BY created_at, run_id", json_cols=("config",))
+
+    def start_round(self, run_id: str, round: int, champion_before: str | None) -> None:
+        """Mark a round running. Starting it again (resume) keeps its original started_at."""
+        self._con.execute(
+            "INSERT INTO rounds (run_id, round, status, champion_before, started_at)"
+            " VALUES (?, ?, 'running', ?, ?)"
+            " ON CONFLICT (run_id, round) DO UPDATE SET status = 'running',"
+            " champion_before = excluded.champion_before, finished_at = NULL",
+            [run_id, round, champion_before, _utcnow()],
+        )
+
+    def finish_round(self, run_id: str, round: int, champion_after: str | None, metrics: dict) -> None:
+        """Mark a started round completed with its resulting champion and metrics."""
+        updated = self._con.execute(
+            "UPDATE rounds SET status = 'completed', champion_after = ?, finished_at = ?, metrics = ?"
+            " WHERE run_id = ? AND round = ?",
+            [champion_after, _utcnow(), json.dumps(metrics), run_id, round],
+        ).fetchall()[0][0]
+        if not updated:
+            raise ValueError(f"round {round} of run {run_id!r} was never started")
+
+    def round_status(self, run_id: str, round: int) -> str | None:
+        """'running' or 'completed', or None if the round was never started."""
+        rows = self._con.sql(
+            "SELECT status FROM rounds WHERE run_id = ? AND round = ?", params=[run_id, round]
+        ).fetchall()
+        return rows[0][0] if rows else None
+
+    def completed_steps(self, run_id: str, round: int) -> set[str]:
+        """Names of the round's steps whose last attempt committed."""
+        rows = self._con.sql(
+            "SELECT step FROM steps WHERE run_id = ? AND round = ? AND status = 'completed'",
+            params=[run_id, round],
+        ).fetchall()
+        return {s for (s,) in rows}
+
+    def last_completed_round(self, run_id: str) -> int:
+        """The highest completed round of the run, or -1."""
+        return self._con.sql(
+            "SELECT coalesce(max(round), -1) FROM rounds WHERE run_id = ? AND status = 'completed'",
+            params=[run_id],
+        ).fetchall()[0][0]
+
+    def champion(self, run_id: str) -> str | None:
+        """The run's current champion: the newest gate decision's new_champion_id, else the
+        run's base model (its `models` row with role 'base'), else None."""
+        rows = self._con.sql(
+            "SELECT new_champion_id FROM gate_decisions"
+            " WHERE run_id = ? AND new_champion_id IS NOT NULL"
+            " ORDER BY round DESC, decided_at DESC LIMIT 1",
+            params=[run_id],
+        ).fetchall()
+        if not rows:
+            rows = self._con.sql(
+                "SELECT model_id FROM models WHERE run_id = ? AND role = 'base'"
+                " ORDER BY created_at LIMIT 1",
+                params=[run_id],
+            ).fetchall()
+        return rows[0][0] if rows else None
+
+    # ---- export ---------------------------------------------------------------------------
+
+    def examples_dataset(self, run_id: str, round: int, method: str | None = None):
+        """The round's training examples as a `datasets.Dataset` (built from Arrow, no copy
+        through Python objects): example_id, method, weight, source_traj_id, and messages as a
+        list of {"role", "content"} dicts (other message keys are dropped)."""
+        import datasets  # imports pandas: keep it off the store's import path
+
+        sql = (
+            "SELECT example_id, method, weight, source_traj_id,"
+            " json_transform(messages, '[{\"role\": \"VARCHAR\", \"content\": \"VARCHAR\"}]') AS messages"
+            " FROM examples WHERE run_id = ? AND round = ?"
+        )
+        params: list = [run_id, round]
+        if method is not None:
+            sql += " AND method = ?"
+            params.append(method)
+        table = self._con.sql(sql + " ORDER BY method, example_id", params=params).to_arrow_table()
+        return datasets.Dataset(table)
+
+    def export_parquet(self, run_id: str, round: int, folder: str | Path) -> dict[str, Path]:
+        """Write the round's trajectories, turns and examples to `folder/<table>.parquet`;
+        return the paths by table name."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        paths = {}
+        for table in ("trajectories", "turns", "examples"):
+            path = folder / f"{table}.parquet"
+            self._con.sql(
+                f"SELECT * FROM {table} WHERE run_id = ? AND round = ?", params=[run_id, round]
+            ).write_parquet(str(path))
+            paths[table] = path
+        return paths
+
+    # ---- lineage --------------------------------------------------------------------------
+
+    def trajectory_lineage(self, run_id: str) -> list[dict]:
+        """Each trajectory of the run with the model that produced it and that model's path
+        and role. The plain SQL:
+
+            SELECT t.traj_id, t.round, t.step, t.task_id, t.purpose, t.success, t.reward,
+                   t.model_id, m.path AS model_path, m.role AS model_role
+            FROM trajectories t LEFT JOIN models m USING (model_id)
+            WHERE t.run_id = ?
+        """
+        return self._dicts(
+            "SELECT t.traj_id, t.round, t.step, t.task_id, t.purpose, t.success, t.reward,"
+            " t.model_id, m.path AS model_path, m.role AS model_role"
+            " FROM trajectories t LEFT JOIN models m USING (model_id)"
+            " WHERE t.run_id = ? ORDER BY t.round, t.step, t.traj_id",
+            [run_id],
+        )
+
+    def training_examples_of(self, model_id: str) -> list[dict]:
+        """The examples that trained `model_id`, with the trajectory each was distilled from.
+        The plain SQL:
+
+            SELECT e.*, t.model_id AS source_model_id, t.success AS source_success
+            FROM train_inputs i
+            JOIN examples e USING (example_id, run_id)
+            LEFT JOIN trajectories t ON t.traj_id = e.source_traj_id
+            WHERE i.model_id = ?
+        """
+        return self._dicts(
+            "SELECT e.example_id, e.method, e.weight, e.messages, e.source_traj_id,"
+            " e.round, e.step, t.model_id AS source_model_id, t.success AS source_success"
+            " FROM train_inputs i"
+            " JOIN examples e ON e.example_id = i.example_id AND e.run_id = i.run_id"
+            " LEFT JOIN trajectories t ON t.traj_id = e.source_traj_id AND t.run_id = e.run_id"
+            " WHERE i.model_id = ? ORDER BY e.example_id",
+            [model_id],
+            json_cols=("messages",),
+        )
+
+    def promotion_history(self, run_id: str) -> list[dict]:
+        """Each gate decision of the run in order: candidate, champion, decision, rule, evidence
+        and the champion after it. The plain SQL:
+
+            SELECT round, candidate_id, champion_id, decision, rule, evidence, new_champion_id
+            FROM gate_decisions WHERE run_id = ? ORDER BY round, decided_at
+        """
+        return self._dicts(
+            "SELECT round, step, candidate_id, champion_id, decision, rule, evidence, new_champion_id"
+            " FROM gate_decisions WHERE run_id = ? ORDER BY round, decided_at",
+            [run_id],
+            json_cols=("evidence",),
+        )
+
+    def _dicts(self, sql: str, params: list | None = None, json_cols: tuple[str, ...] = ()) -> list[dict]:
+        """Run a query and return its rows as dicts, parsing the named JSON columns."""
+        rows = self._con.sql(sql, params=params).to_dicts()
+        for row in rows:
+            for col in json_cols:
+                if row[col] is not None:
+                    row[col] = json.loads(row[col])
+        return rows

@@ -1,0 +1,153 @@
+"""What every pipeline step needs: the store, the env factory, the champion's backend, ids.
+
+Steps take small values (the config, the round number), open the store themselves for a short
+write, and return small summaries. Ids are deterministic in (run, round, step, index), so a
+step run again writes the same ids and replaces its rows.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+
+from configs.schema import Config
+from envs import make_env
+from envs.base import Env, TaskSpec
+from methods.rollout import Episode
+from models.backend import SamplingParams
+from stores.store import Store
+
+STEPS = ("generate", "evaluate", "distill", "train", "gate", "deploy")
+
+
+def open_store(cfg: Config, read_only: bool = False) -> Store:
+    return Store(cfg.run.store, read_only=read_only)
+
+
+def env_factory(cfg: Config):
+    return partial(make_env, cfg.env.name, **cfg.env.kwargs)
+
+
+def backend_for(cfg: Config, model_path: str):
+    from models.hf_backend import get_backend
+
+    return get_backend(model_path, max_batch_size=cfg.backend.max_batch_size, dtype=cfg.model.dtype)
+
+
+def model_path(store: Store, model_id: str) -> str:
+    rows = store.con.execute("SELECT path FROM models WHERE model_id = ?", [model_id]).fetchall()
+    if not rows:
+        raise LookupError(f"model {model_id!r} is not in the store's registry")
+    return rows[0][0]
+
+
+def sampling(cfg: Config, temperature: float, seed: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=cfg.backend.max_new_tokens, temperature=temperature,
+                          top_p=cfg.backend.top_p if temperature > 0 else 1.0, seed=seed)
+
+
+def round_seed(cfg: Config, round: int, salt: int = 0) -> int:
+    return (cfg.run.seed * 1_000_003 + round * 7919 + salt) % (2**31)
+
+
+def episode_rows(episodes: list[Episode], model_id: str, purpose: str) -> tuple[list[dict], list[dict]]:
+    """Rows for the trajectories and turns tables."""
+    trajs, turns = [], []
+    for ep in episodes:
+        trajs.append({
+            "traj_id": ep.traj_id, "task_id": ep.task.task_id, "model_id": model_id, "group_id": ep.group_id,
+            "sample_idx": ep.sample_idx, "purpose": purpose, "status": ep.status, "success": ep.success,
+            "reward": ep.reward, "n_turns": len(ep.turns), "error": ep.error, "hindsight": ep.hindsight,
+            "prompt_tokens": ep.prompt_tokens, "gen_tokens": ep.gen_tokens, "wall_s": ep.wall_s,
+        })
+        for i, t in enumerate(ep.turns):
+            turns.append({
+                "traj_id": ep.traj_id, "turn_idx": i, "observation": t.observation, "action_text": t.action_text,
+                "action_symbol": t.action_symbol, "token_ids": t.token_ids, "logprobs": t.logprobs,
+                "reward": t.reward, "done": t.done, "valid": t.valid, "feedback": t.feedback, "wall_s": t.wall_s,
+            })
+    return trajs, turns
+
+
+def conversation(system: str, turns: list[dict]) -> list[dict]:
+    """Rebuild the exact conversation the model saw from stored turns (ordered by turn_idx)."""
+    msgs = [{"role": "system", "content": system}]
+    for t in turns:
+        msgs.append({"role": "user", "content": t["observation"]})
+        msgs.append({"role": "assistant", "content": t["action_text"]})
+    return msgs
+
+
+def tasks_from_rows(rows: list[dict]) -> list[TaskSpec]:
+    return [TaskSpec.from_row(r) for r in rows]
+
+
+def run_dir(cfg: Config) -> Path:
+    d = cfg.run_dir
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def dumps(obj) -> str:
+    return json.dumps(obj, sort_keys=True, default=str)
+
+
+def instructions(cfg: Config) -> str:
+    env: Env = env_factory(cfg)()
+    try:
+        return env.instructions()
+    finally:
+        env.close()
+
+
+class TurnProgress:
+    """A tqdm bar over turns of a lockstep batch, showing live episodes and generated tokens/s."""
+
+    def __init__(self, desc: str, max_turns: int):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=max_turns, desc=desc, unit="turn", leave=False)
+        self.tokens = 0
+
+    def __call__(self, tokens: int, live: int) -> None:
+        self.tokens += tokens
+        rate = self.tokens / max(self.bar.format_dict["elapsed"], 1e-9)
+        self.bar.set_postfix(live=live, tok_s=f"{rate:.1f}")
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def play(cfg: Config, backend, episodes: list[Episode], temperature: float, seed: int, desc: str) -> list[Episode]:
+    """Run episodes in lockstep with a progress bar."""
+    from methods.rollout import run_episodes
+
+    bar = TurnProgress(desc, cfg.env.max_turns)
+    try:
+        return run_episodes(env_factory(cfg), episodes, backend, sampling(cfg, temperature, seed),
+                            cfg.env.max_turns, cfg.env.show_admissible, on_turn=bar)
+    finally:
+        bar.close()
+
+
+def fetch_dicts(store: Store, sql: str, params: list | None = None) -> list[dict]:
+    cur = store.con.execute(sql, params or [])
+    cols = [d[0] for d in cur.description]
+    return [dict(zip(cols, r)) for r in cur.fetchall()]
+
+
+def trajectories_with_turns(store: Store, run_id: str, round: int, step: str, system: str) -> list[dict]:
+    """The step's trajectories, each with `messages`: the conversation rebuilt from its turns."""
+    trajs = fetch_dicts(store, "SELECT * FROM trajectories WHERE run_id = ? AND round = ? AND step = ? ORDER BY traj_id",
+                        [run_id, round, step])
+    turns = fetch_dicts(store, "SELECT traj_id, turn_idx, observation, action_text FROM turns"
+                        " WHERE run_id = ? AND round = ? AND step = ? ORDER BY traj_id, turn_idx",
+                        [run_id, round, step])
+    by_traj: dict[str, list[dict]] = {}
+    for t in turns:
+        by_traj.setdefault(t["traj_id"], []).append(t)
+    for t in trajs:
+        t["messages"] = conversation(system, by_traj.get(t["traj_id"], []))
+    return trajs

@@ -1,0 +1,29 @@
+"""distill: turn the round's stored experience into training examples (ExIt for now)."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NONE
+
+from configs.schema import Config
+from methods.exit import exit_examples
+from tasks.common import instructions, open_store, trajectories_with_turns
+
+
+@task(name="distill", cache_policy=NONE)
+def distill_examples(cfg: Config, round: int) -> dict:
+    run_id = cfg.run.name
+    system = instructions(cfg)
+    counts = {}
+    with open_store(cfg) as store:
+        trajs = trajectories_with_turns(store, run_id, round, "generate", system)
+        rows = []
+        if "exit" in cfg.distill.methods:
+            exs = exit_examples(trajs, cfg.distill.exit.min_reward, cfg.distill.exit.dedupe)
+            counts["exit"] = len(exs)
+            rows += [{"example_id": e.example_id, "method": e.method, "source_traj_id": e.source_traj_id,
+                      "messages": e.messages, "weight": e.weight, "meta": e.meta} for e in exs]
+        with store.step(run_id, round, "distill") as tx:
+            tx.insert("examples", rows)
+    get_run_logger().info("round %d distill: %s examples", round, counts)
+    return counts

@@ -1,0 +1,49 @@
+"""evaluate: verifier outcomes of this round's rollouts, grouped; the champion's train-split success."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NONE
+
+from configs.schema import Config
+from methods.groups import group_counts, group_stats
+from methods.stats import wilson_interval
+from tasks.common import open_store
+
+
+def success_rows(rows: list[dict], model_id: str, split: str, env: str, confidence: float, prefix: str) -> list[dict]:
+    """One evaluations row per task type plus one for all types ('*')."""
+    by_type: dict[str, list[dict]] = {"*": rows}
+    for r in rows:
+        by_type.setdefault(r["task_type"], []).append(r)
+    out = []
+    for ttype, rs in sorted(by_type.items()):
+        n, s = len(rs), sum(bool(r["success"]) for r in rs)
+        lo, hi = wilson_interval(s, n, confidence)
+        tokens = sum(int(r["gen_tokens"] or 0) for r in rs)
+        out.append({"eval_id": f"{prefix}/{ttype}", "model_id": model_id, "split": split, "env": env,
+                    "task_type": ttype, "n": n, "successes": s, "success_rate": s / n if n else 0.0,
+                    "ci_low": lo, "ci_high": hi, "tokens_per_success": tokens / s if s else None})
+    return out
+
+
+@task(name="evaluate", cache_policy=NONE)
+def evaluate_rollouts(cfg: Config, round: int) -> dict:
+    run_id = cfg.run.name
+    with open_store(cfg) as store:
+        rows = store.con.execute(
+            """SELECT t.traj_id, t.group_id, t.reward, t.success, t.gen_tokens, t.model_id, k.task_type
+               FROM trajectories t JOIN tasks k ON k.task_id = t.task_id AND k.run_id = t.run_id AND k.round = t.round
+               WHERE t.run_id = ? AND t.round = ? AND t.step = 'generate' ORDER BY t.traj_id""",
+            [run_id, round]).fetchall()
+        cols = ["traj_id", "group_id", "reward", "success", "gen_tokens", "model_id", "task_type"]
+        rows = [dict(zip(cols, r)) for r in rows]
+        if not rows:
+            raise RuntimeError(f"round {round} of run {run_id!r} has no generated trajectories to evaluate")
+        counts = group_counts(group_stats(rows))
+        evals = success_rows(rows, rows[0]["model_id"], "train", cfg.env.name, cfg.gate.confidence,
+                             f"{run_id}/r{round}/evaluate")
+        with store.step(run_id, round, "evaluate") as tx:
+            tx.insert("evaluations", evals)
+    get_run_logger().info("round %d groups: %s", round, counts)
+    return counts

@@ -1,0 +1,41 @@
+"""generate: the champion plays G rollouts of each of this round's train tasks."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NONE
+
+from configs.schema import Config
+from methods.rollout import Episode
+from tasks.common import backend_for, episode_rows, model_path, open_store, play, round_seed, env_factory
+
+
+@task(name="generate", cache_policy=NONE)
+def generate_rollouts(cfg: Config, round: int) -> dict:
+    run_id = cfg.run.name
+    with open_store(cfg) as store:
+        champion = store.champion(run_id)
+        path = model_path(store, champion)
+    seed = round_seed(cfg, round)
+    env = env_factory(cfg)()
+    try:
+        task_specs = env.sample_tasks("train", cfg.generate.tasks_per_round, seed)
+    finally:
+        env.close()
+    episodes = [
+        Episode(traj_id=f"{run_id}/r{round}/gen/{ti:04d}-{g:02d}", task=t, group_id=f"{run_id}/r{round}/{t.task_id}",
+                sample_idx=g)
+        for ti, t in enumerate(task_specs) for g in range(cfg.generate.group_size)
+    ]
+    backend = backend_for(cfg, path)
+    play(cfg, backend, episodes, cfg.backend.temperature, seed, f"round {round} generate")
+    trajs, turns = episode_rows(episodes, champion, "train")
+    with open_store(cfg) as store, store.step(run_id, round, "generate") as tx:
+        tx.insert("tasks", [t.to_row() for t in task_specs])
+        tx.insert("trajectories", trajs)
+        tx.insert("turns", turns)
+    summary = {"episodes": len(episodes), "successes": sum(e.success for e in episodes),
+               "errors": sum(e.status == "error" for e in episodes),
+               "gen_tokens": sum(e.gen_tokens for e in episodes)}
+    get_run_logger().info("round %d generate: %s", round, summary)
+    return summary

@@ -1,0 +1,75 @@
+"""Config loading: overlays, overrides, and errors that name the key path and the file."""
+
+from pathlib import Path
+
+import pytest
+
+from configs.schema import Config, ConfigError, config_reference, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_shipped_configs_validate():
+    for f in ("default.yaml", "tiny.yaml"):
+        cfg = load_config([REPO / "configs" / f])
+        assert isinstance(cfg, Config)
+    assert load_config([REPO / "configs" / "default.yaml"]).model.base == "embedded:smollm2-135m-instruct"
+    assert load_config([REPO / "configs" / "tiny.yaml"]).model.base.startswith("tiny:")
+
+
+def test_overlay_and_override_win_in_order(tmp_path):
+    base = write(tmp_path, "base.yaml", "train:\n  learning_rate: 1.0e-4\n  epochs: 3\nenv:\n  kwargs: {a: 1}\n")
+    over = write(tmp_path, "over.yaml", "train:\n  epochs: 1\nenv:\n  kwargs: {b: 2}\n")
+    cfg = load_config([base, over], ["train.batch_size=8", "run.name=exp-1"])
+    assert cfg.train.learning_rate == 1e-4      # from base, untouched by the overlay
+    assert cfg.train.epochs == 1                # overlay wins
+    assert cfg.train.batch_size == 8            # --set wins
+    assert cfg.env.kwargs == {"b": 2}           # kwargs is replaced as a whole, not merged
+    assert cfg.run_dir == Path("runs/exp-1")
+
+
+def test_unknown_key_names_path_and_file(tmp_path):
+    bad = write(tmp_path, "bad.yaml", "train:\n  learnin_rate: 0.1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config([bad])
+    assert "train.learnin_rate" in str(e.value) and "unknown key" in str(e.value) and str(bad) in str(e.value)
+
+
+def test_wrong_type_names_the_file_that_set_it(tmp_path):
+    base = write(tmp_path, "base.yaml", "generate:\n  group_size: 4\n")
+    over = write(tmp_path, "over.yaml", "generate:\n  group_size: many\n")
+    with pytest.raises(ConfigError) as e:
+        load_config([base, over])
+    msg = str(e.value)
+    assert "generate.group_size" in msg and str(over) in msg and str(base) not in msg
+
+
+def test_override_errors_name_the_override():
+    with pytest.raises(ConfigError, match=r"--set gate.rule=sometimes: gate.rule"):
+        load_config([], ["gate.rule=sometimes"])
+    with pytest.raises(ConfigError, match="expected KEY.PATH=VALUE"):
+        load_config([], ["gate.rule"])
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="not found: .*nope.yaml"):
+        load_config([tmp_path / "nope.yaml"])
+    bad = write(tmp_path, "bad.yaml", "train: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config([bad])
+    top = write(tmp_path, "list.yaml", "- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config([top])
+
+
+def test_every_field_has_help():
+    rows = config_reference()
+    assert len(rows) > 30
+    missing = [path for path, _, desc in rows if not desc.strip()]
+    assert not missing, f"fields without a description: {missing}"

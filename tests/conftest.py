@@ -1,0 +1,19 @@
+"""Test-session setup: Prefect gets its own home (ephemeral API, no server), no telemetry."""
+
+import os
+import tempfile
+from pathlib import Path
+
+_prefect_home = tempfile.mkdtemp(prefix="rsiflow-test-prefect-")
+os.environ["PREFECT_HOME"] = _prefect_home
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ.pop("PREFECT_API_URL", None)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny.yaml")
+
+
+def tiny_overrides(tmp_path: Path, *extra: str) -> list[str]:
+    """Overrides that keep a tiny run's store and run folder inside `tmp_path`."""
+    return [f"run.store={tmp_path / 'store.duckdb'}", f"run.run_dir={tmp_path / 'runs' / '{name}'}", *extra]

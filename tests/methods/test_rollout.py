@@ -1,0 +1,93 @@
+"""The episode runner: lockstep batching, and one crashing episode doesn't stop the batch."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from envs import make_env
+from envs.household import HouseholdEnv
+from methods.rollout import Episode, run_episodes
+from models.backend import SamplingParams
+from models.hf_backend import HFBackend
+from models.loading import resolve_base_model
+
+
+@pytest.fixture(scope="module")
+def backend():
+    cache = Path(os.environ.get("RSIFLOW_CACHE", "~/.cache/rsiflow")).expanduser()
+    return HFBackend(resolve_base_model("tiny:0", cache), max_batch_size=16)
+
+
+class CallLog:
+    """Wraps the real backend and records the batch size of every generate call."""
+
+    def __init__(self, inner):
+        self.inner, self.batches = inner, []
+        self.model_path = inner.model_path
+
+    def generate(self, conversations, params):
+        self.batches.append(len(conversations))
+        return self.inner.generate(conversations, params)
+
+
+class CrashOnSecondStep(HouseholdEnv):
+    """A real household env that raises on its second step: a bug in a user's env."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.steps = 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps == 2:
+            raise RuntimeError("simulated env bug")
+        return super().step(action)
+
+
+def episodes_for(tasks, g=2):
+    return [Episode(traj_id=f"t{i}-{j}", task=t, group_id=t.task_id, sample_idx=j)
+            for i, t in enumerate(tasks) for j in range(g)]
+
+
+def test_lockstep_one_batched_call_per_turn(backend):
+    tasks = make_env("household").sample_tasks("train", 3, seed=0)
+    log = CallLog(backend)
+    eps = run_episodes(lambda: make_env("household"), episodes_for(tasks), log,
+                       SamplingParams(max_new_tokens=6, temperature=1.0, seed=0), max_turns=3)
+    # all 6 episodes are live for every turn (a random tiny model won't finish a task in 3 turns)
+    assert log.batches == [6, 6, 6]
+    for ep in eps:
+        assert ep.status in {"success", "failure"} and len(ep.turns) == 3
+        assert ep.messages[0]["role"] == "system" and ep.messages[-1]["role"] == "assistant"
+        assert [m["role"] for m in ep.messages[1:]] == ["user", "assistant"] * 3
+        assert all(len(t.token_ids) == len(t.logprobs) for t in ep.turns)
+        assert ep.hindsight and ep.gen_tokens == sum(len(t.token_ids) for t in ep.turns)
+        assert "Valid actions:" in ep.messages[1]["content"]
+
+
+def test_crashing_episode_is_recorded_and_batch_goes_on(backend):
+    tasks = make_env("household").sample_tasks("train", 2, seed=1)
+    made = []
+
+    def factory():
+        env = CrashOnSecondStep() if not made else HouseholdEnv()
+        made.append(env)
+        return env
+
+    log = CallLog(backend)
+    eps = run_episodes(factory, episodes_for(tasks, g=2), log, SamplingParams(max_new_tokens=6, seed=0), max_turns=4)
+    crashed, others = eps[0], eps[1:]
+    assert crashed.status == "error" and "simulated env bug" in crashed.error and len(crashed.turns) == 1
+    assert all(e.status in {"success", "failure"} and len(e.turns) == 4 for e in others)
+    assert log.batches == [4, 3, 3, 3]   # the crashed episode leaves the batch after turn 2
+
+
+def test_backend_failure_propagates(backend):
+    class Broken(CallLog):
+        def generate(self, conversations, params):
+            raise RuntimeError("backend down")
+
+    tasks = make_env("household").sample_tasks("train", 1, seed=0)
+    with pytest.raises(RuntimeError, match="backend down"):
+        run_episodes(lambda: make_env("household"), episodes_for(tasks), Broken(backend), SamplingParams(), max_turns=2)
