@@ -1,0 +1,30 @@
+"""rsiflow environments: the `Env` interface and `make_env`, which builds one from a config name."""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+from envs.base import Env, StepResult, TaskSpec
+from envs.household import HouseholdEnv
+
+__all__ = ["BUILTIN_ENVS", "Env", "StepResult", "TaskSpec", "make_env"]
+
+BUILTIN_ENVS: dict[str, type[Env]] = {"household": HouseholdEnv}
+
+
+def make_env(name: str, **kwargs: Any) -> Env:
+    """An env from a built-in name ("household") or a "package.module:Class" naming an Env subclass,
+    constructed with `kwargs`."""
+    if name in BUILTIN_ENVS:
+        return BUILTIN_ENVS[name](**kwargs)
+    if ":" not in name:
+        raise ValueError(f"unknown env {name!r}: built-in envs are {sorted(BUILTIN_ENVS)}; "
+                         "a custom env is named in the form 'package.module:Class'")
+    module_name, _, class_name = name.partition(":")
+    cls = getattr(import_module(module_name), class_name, None)
+    if cls is None:
+        raise ValueError(f"env {name!r}: module {module_name!r} has no attribute {class_name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, Env)):
+        raise TypeError(f"env {name!r} is not a subclass of envs.base.Env")
+    return cls(**kwargs)

@@ -35,7 +35,7 @@ def run_round(cfg: Config) -> dict:
     ensure_run(cfg)
     run_id = cfg.run.name
     with open_store(cfg) as store:
-        round = store.last_completed_round(run_id) + 1
+        round = max(store.last_completed_round(run_id), 0) + 1  # rounds count from 1; 0 registers the base
         done = store.completed_steps(run_id, round)
         if store.round_status(run_id, round) is None:
             store.start_round(run_id, round, store.champion(run_id))

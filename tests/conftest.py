@@ -17,3 +17,15 @@ TINY = str(REPO / "configs" / "tiny.yaml")
 def tiny_overrides(tmp_path: Path, *extra: str) -> list[str]:
     """Overrides that keep a tiny run's store and run folder inside `tmp_path`."""
     return [f"run.store={tmp_path / 'store.duckdb'}", f"run.run_dir={tmp_path / 'runs' / '{name}'}", *extra]
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    """A temporary Prefect API for in-process flow runs, stopped cleanly at the end of the session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

@@ -10,7 +10,7 @@ from tasks.common import STEPS
 from tests.conftest import TINY, tiny_overrides
 
 
-def test_one_full_round_on_tiny(tmp_path):
+def test_one_full_round_on_tiny(tmp_path, prefect_api):
     overrides = tiny_overrides(tmp_path)
     result = improvement_round([TINY], overrides)
     assert result["round"] == 1 and set(result["results"]) == set(STEPS)
@@ -41,7 +41,7 @@ def test_one_full_round_on_tiny(tmp_path):
     assert (report / "heldout.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_second_round_reuses_champion_results_and_continues(tmp_path):
+def test_second_round_reuses_champion_results_and_continues(tmp_path, prefect_api):
     overrides = tiny_overrides(tmp_path, "gate.rule=always")
     improvement_round([TINY], overrides)
     second = improvement_round([TINY], overrides)

@@ -80,7 +80,7 @@ def test_crashing_episode_is_recorded_and_batch_goes_on(backend):
     crashed, others = eps[0], eps[1:]
     assert crashed.status == "error" and "simulated env bug" in crashed.error and len(crashed.turns) == 1
     assert all(e.status in {"success", "failure"} and len(e.turns) == 4 for e in others)
-    assert log.batches == [4, 3, 3, 3]   # the crashed episode leaves the batch after turn 2
+    assert log.batches == [4, 4, 3, 3]   # it crashes during turn 2 and leaves the batch after it
 
 
 def test_backend_failure_propagates(backend):
