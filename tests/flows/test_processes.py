@@ -51,9 +51,9 @@ def test_kill_9_mid_round_then_resume(tmp_path):
         time.sleep(0.1)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    killed_at = _completed_steps(db)
-    assert "deploy" not in killed_at, "killed too late to test a resume"
     with Store(db, read_only=True) as s:
+        killed_at = s.completed_steps("tiny", 1)
+        assert "deploy" not in killed_at, "killed too late to test a resume"
         before = s.con.execute("SELECT traj_id, step FROM trajectories ORDER BY traj_id").fetchall()
         gen_finished = s.con.execute("SELECT finished_at FROM steps WHERE round = 1 AND step = 'generate'").fetchall()
 
@@ -75,7 +75,8 @@ def test_kill_9_mid_round_then_resume(tmp_path):
     assert q("SELECT count(*) FROM gate_decisions") == [(1,)]
     assert q("SELECT count(*) - count(DISTINCT model_id) FROM models") == [(0,)]
     con.close()
-    print(f"killed after {sorted(killed_at)}; resumed: {out.stdout.count('resuming')} resume line(s)")
+    assert f"resuming round 1 of run 'tiny': {sorted(killed_at)} already completed" in out.stdout + out.stderr
+    print(f"killed after {sorted(killed_at)}; resumed and finished")
 
 
 def _free_port() -> int:
