@@ -60,6 +60,12 @@ class EnvConfig(_Section):
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the env's constructor.")
     max_turns: int = Field(12, ge=1, description="Most agent turns per episode; an episode that reaches it fails.")
     show_admissible: bool = Field(True, description="List the env's admissible actions in every observation.")
+    project_actions: bool = Field(
+        False,
+        description="Replace a generated action that is not admissible by the closest admissible one (difflib "
+        "similarity); the raw text is stored beside it. For models too small to copy actions reliably.",
+    )
+    few_shot: bool = Field(True, description="Show the env's demonstration turns (a solved example) before each episode; never trained on.")
 
 
 class GenerateConfig(_Section):

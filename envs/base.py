@@ -87,6 +87,11 @@ class Env(ABC):
     def instructions(self) -> str:
         """System-prompt text: what the agent is, and the exact action format."""
 
+    def demonstration(self) -> list[tuple[str, list[str] | None, str]]:
+        """A few (observation, admissible actions, action) turns of a solved example task, shown to
+        the agent as earlier chat turns before its own task (few-shot). Empty where there is none."""
+        return []
+
     def expert_action(self) -> str | None:
         """A scripted expert's next action from the current state, where the env has one."""
         return None

@@ -222,6 +222,9 @@ class _Refusal(Exception):
         self.lesson = lesson
 
 
+_DEMO_SEED = 20251130  # the few-shot demonstration's task
+
+
 class HouseholdEnv(Env):
     """ALFWorld-style household tasks; see the module docstring.
 
@@ -625,17 +628,27 @@ class HouseholdEnv(Env):
             return f"examine<{'receptacle' if _kind(names[0]) in RECEPTACLE_TYPES else 'object'}>"
         return f"{verb}<{_ROLES[verb]}>"
 
+    def demonstration(self) -> list[tuple[str, list[str] | None, str]]:
+        """The scripted expert solving a fixed pick-and-place train task (a separate env instance,
+        so this env's episode is untouched). Small models copy the action format from it: measured
+        with SmolLM2-135M, 23/24 valid first actions (greedy) with a demonstration against 0/24
+        without."""
+        demo = HouseholdEnv(self.n_receptacles, self.n_distractors, self.max_steps)
+        obs = demo.reset(demo.sample_tasks("train", 1, seed=_DEMO_SEED)[0])
+        turns = []
+        while True:
+            action = demo.expert_action()
+            turns.append((obs, demo.admissible_actions(), action))
+            res = demo.step(action)
+            if res.done:
+                return turns
+            obs = res.observation
+
     def instructions(self) -> str:
         return (
-            "You are an agent in a household. Each turn you read what happened and reply with "
-            "exactly one action on one line, with no explanation.\n"
-            "Actions:\n"
-            "  go to <receptacle>\n  open <receptacle>\n  close <receptacle>\n"
-            "  take <object> from <receptacle>\n  put <object> in/on <receptacle>\n"
-            "  clean <object> with <sinkbasin>\n  heat <object> with <microwave>\n"
-            "  cool <object> with <fridge>\n  use <lamp>\n  examine <object or receptacle>\n"
-            "  look\n  inventory\n"
-            'Names include their number, e.g. "take mug 1 from cabinet 2". You must be at a '
-            "receptacle to act on it, closed ones must be opened first, and you carry one object "
-            "at a time."
+            "You are an agent in a household. Reply with exactly one action per turn, no explanation. "
+            "Actions: go to <receptacle>, open/close <receptacle>, take <object> from <receptacle>, "
+            "put <object> in/on <receptacle>, clean/heat/cool <object> with <sinkbasin/microwave/fridge>, "
+            "use <lamp>, examine <thing>, look, inventory. Names include their number (\"mug 1\"); act only "
+            "where you are; open closed receptacles first; carry one object at a time."
         )

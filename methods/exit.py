@@ -21,13 +21,15 @@ class Example:
 
 
 def exit_examples(trajectories: list[dict], min_reward: float = 1.0, dedupe: bool = True) -> list[Example]:
-    """trajectories: dicts with traj_id, task_id, success, reward, status, messages (the conversation)."""
+    """trajectories: dicts with traj_id, task_id, success, reward, status, messages (the conversation)
+    and train_from (messages before it are the prompt prefix, e.g. few-shot turns: never trained)."""
     seen: set[tuple] = set()
     out = []
     for t in sorted(trajectories, key=lambda t: t["traj_id"]):
         if t["status"] != "success" or not t["success"] or (t["reward"] or 0.0) < min_reward:
             continue
-        actions = tuple(m["content"] for m in t["messages"] if m["role"] == "assistant")
+        train_from = t.get("train_from", 0)
+        actions = tuple(m["content"] for m in t["messages"][train_from:] if m["role"] == "assistant")
         if not actions:
             continue
         key = (t["task_id"], actions)
@@ -36,6 +38,6 @@ def exit_examples(trajectories: list[dict], min_reward: float = 1.0, dedupe: boo
         seen.add(key)
         out.append(Example(
             example_id=f"{t['traj_id']}/exit", method="exit", source_traj_id=t["traj_id"],
-            messages=t["messages"], weight=1.0, meta={"n_actions": len(actions), "reward": t["reward"]},
+            messages=t["messages"], weight=1.0, meta={"n_actions": len(actions), "reward": t["reward"], "train_from": train_from},
         ))
     return out

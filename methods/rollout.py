@@ -5,14 +5,17 @@ sampled action is applied to that episode's env. An episode whose env raises (on
 step) is closed with status "error" and the reason; the others go on. A backend failure is not
 an episode's fault and propagates.
 
-The conversation the model sees: a system message (the env's instructions), then per turn a
-user message (the observation, plus the admissible actions when `show_admissible`) and the
-model's action as the assistant message. Exactly these messages are stored, so training sees
-what generation saw.
+The conversation the model sees: a prefix (a system message with the env's instructions and,
+with `few_shot`, the env's demonstration turns as earlier user/assistant messages), then per
+turn a user message (the observation, plus the admissible actions when `show_admissible`) and
+the model's action as the assistant message. The same prefix is rebuilt from the env for
+training, and the observations are stored as shown, so training sees what generation saw;
+only the episode's own actions (after the prefix) are trained.
 """
 
 from __future__ import annotations
 
+import difflib
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -27,7 +30,8 @@ ACTION_STOP = ("\n",)
 @dataclass
 class Turn:
     observation: str          # the user message shown before this action
-    action_text: str
+    action_text: str          # the action executed (and, for ExIt, trained on)
+    raw_text: str | None      # the generated text when projection changed it, else None
     action_symbol: str
     token_ids: list[int]
     logprobs: list[float]
@@ -44,7 +48,8 @@ class Episode:
     task: TaskSpec
     group_id: str
     sample_idx: int
-    messages: list[dict] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)   # prefix + the episode's own turns
+    n_prefix: int = 0                                      # messages[:n_prefix] are the prompt prefix
     turns: list[Turn] = field(default_factory=list)
     status: str = "running"   # running | success | failure | error
     success: bool = False
@@ -62,8 +67,29 @@ class Episode:
 
 def render_observation(observation: str, admissible: list[str] | None, show_admissible: bool) -> str:
     if show_admissible and admissible:
-        return f"{observation}\nValid actions: {', '.join(admissible)}"
-    return observation
+        return observation + "\nValid actions:\n" + "\n".join(admissible) + "\nYour action:"
+    return observation + "\nYour action:"
+
+
+def project_action(text: str, admissible: list[str] | None) -> str:
+    """The admissible action closest to `text` (difflib similarity, ties: the first in the env's
+    order); `text` itself when it is admissible, or when the env lists no actions."""
+    if not admissible:
+        return text
+    norm = " ".join(text.lower().split()).rstrip(".")
+    if norm in admissible:
+        return norm
+    return max(admissible, key=lambda a: difflib.SequenceMatcher(None, norm, a).ratio())
+
+
+def prompt_prefix(env: Env, show_admissible: bool = True, few_shot: bool = True) -> list[dict]:
+    """The system message and (with `few_shot`) the env's demonstration as earlier chat turns."""
+    msgs = [{"role": "system", "content": env.instructions()}]
+    if few_shot:
+        for observation, admissible, action in env.demonstration():
+            msgs.append({"role": "user", "content": render_observation(observation, admissible, show_admissible)})
+            msgs.append({"role": "assistant", "content": action})
+    return msgs
 
 
 def _fail(ep: Episode, env: Env, exc: BaseException) -> None:
@@ -82,10 +108,15 @@ def run_episodes(
     params: SamplingParams,
     max_turns: int,
     show_admissible: bool = True,
+    few_shot: bool = True,
+    project: bool = False,
     on_turn: Callable[[int, int], None] | None = None,
 ) -> list[Episode]:
     """Play `episodes` (fresh Episode objects naming their task) to the end, in lockstep.
 
+    With `project`, a generated action that is not admissible is replaced by the closest admissible
+    one (an agent-harness choice for models too small to copy actions reliably; the raw text is kept
+    in `Turn.raw_text`, and the conversation continues with the executed action).
     `on_turn(tokens_generated_this_turn, live_episodes)` is called after every batched turn
     (progress bars). Returns the same Episode objects, filled in.
     """
@@ -97,10 +128,9 @@ def run_episodes(
         try:
             env = make_env()
             obs = env.reset(ep.task)
-            ep.messages = [
-                {"role": "system", "content": env.instructions()},
-                {"role": "user", "content": render_observation(obs, env.admissible_actions(), show_admissible)},
-            ]
+            ep.messages = prompt_prefix(env, show_admissible, few_shot)
+            ep.n_prefix = len(ep.messages)
+            ep.messages.append({"role": "user", "content": render_observation(obs, env.admissible_actions(), show_admissible)})
         except Exception as exc:
             if env is None:
                 raise  # the env can't even be built: a config error, not an episode's
@@ -116,17 +146,19 @@ def run_episodes(
         dt = (time.perf_counter() - t0) / len(live)
         for i, gen in zip(live, gens):
             ep, env = episodes[i], envs[i]
-            action = gen.text.strip()
+            raw = gen.text.strip()
             ep.prompt_tokens += gen.prompt_tokens
             ep.gen_tokens += len(gen.token_ids)
             try:
+                action = project_action(raw, env.admissible_actions()) if project else raw
                 res = env.step(action)
                 symbol = env.canonicalize(action)
                 observation = ep.messages[-1]["content"]
                 ep.messages.append({"role": "assistant", "content": action})
                 done = res.done or turn_idx == max_turns - 1
                 ep.turns.append(Turn(
-                    observation=observation, action_text=action, action_symbol=symbol,
+                    observation=observation, action_text=action, raw_text=raw if raw != action else None,
+                    action_symbol=symbol,
                     token_ids=list(gen.token_ids), logprobs=list(gen.logprobs), reward=float(res.reward),
                     done=done, valid=bool(res.info.get("valid", True)), feedback=str(res.info.get("feedback", "ok")),
                     wall_s=dt,

@@ -33,8 +33,9 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopP
 from models.backend import Generation, SamplingParams
 from models.loading import load_model_and_tokenizer
 
-# Measured on the 2-core CPU with SmolLM2-135M, ~300-token prompts, 16 new tokens (see bench notes):
-# throughput peaks around batch 16 and falls off a cliff at 32.
+# SmolLM2-135M on the 2-core CPU, 268-token prompts, 16 new tokens, generated tok/s on an idle machine:
+# batch 1: 16, 8: 32, 16: 33-39, 32: 43. With another process busy on a core, batch 32+ collapsed to
+# 6-17 tok/s (OpenMP threads spin-waiting for the shared core) while 16 held ~30: 16 is the safe default.
 DEFAULT_MAX_BATCH_SIZE = 16
 
 

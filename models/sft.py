@@ -27,12 +27,13 @@ def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[in
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def tokenize_conversation(tokenizer, messages: list[dict]) -> dict[str, list[int]]:
-    """input_ids of the whole conversation, labels = input_ids on assistant spans, -100 elsewhere."""
+def tokenize_conversation(tokenizer, messages: list[dict], train_from: int = 0) -> dict[str, list[int]]:
+    """input_ids of the whole conversation; labels = input_ids on the spans of assistant messages at
+    index >= `train_from` (earlier ones, e.g. few-shot demonstrations, are prompt), -100 elsewhere."""
     full = _render(tokenizer, messages, generation_prompt=False)
     labels = [-100] * len(full)
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or i < train_from:
             continue
         prompt = _render(tokenizer, messages[:i], generation_prompt=True)
         start, end = len(prompt), len(_render(tokenizer, messages[: i + 1], generation_prompt=False))
@@ -43,12 +44,13 @@ def tokenize_conversation(tokenizer, messages: list[dict]) -> dict[str, list[int
 
 
 def build_sft_dataset(tokenizer, examples: list[dict], max_length: int):
-    """examples: dicts with example_id, messages and weight. Returns (datasets.Dataset, n_dropped_too_long)."""
+    """examples: dicts with example_id, messages, weight and optionally train_from.
+    Returns (datasets.Dataset, n_dropped_too_long)."""
     from datasets import Dataset
 
     rows, dropped = [], 0
     for ex in examples:
-        tok = tokenize_conversation(tokenizer, ex["messages"])
+        tok = tokenize_conversation(tokenizer, ex["messages"], int(ex.get("train_from") or 0))
         if len(tok["input_ids"]) > max_length:
             dropped += 1
             continue
@@ -130,7 +132,7 @@ def train_sft(
         per_device_train_batch_size=cfg.batch_size,
         gradient_accumulation_steps=cfg.grad_accum,
         max_length=cfg.max_length,
-        warmup_ratio=cfg.warmup_ratio,
+        warmup_steps=cfg.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of total steps
         lr_scheduler_type=cfg.lr_scheduler,
         seed=seed,
         use_cpu=use_cpu,

@@ -106,9 +106,10 @@ CREATE TABLE turns (
     step          VARCHAR,
     turn_idx      INTEGER,
     observation   VARCHAR,
-    action_text   VARCHAR,
+    action_text   VARCHAR,      -- the action executed (and trained on)
+    raw_text      VARCHAR,      -- what the model generated, when it differs (projected onto an admissible action)
     action_symbol VARCHAR,
-    token_ids     INTEGER[],
+    token_ids     INTEGER[],    -- sampled tokens of raw_text (or of action_text when they are equal)
     logprobs      FLOAT[],
     reward        DOUBLE,
     done          BOOLEAN,

@@ -350,12 +350,12 @@ class Store:
 
     def examples_dataset(self, run_id: str, round: int, method: str | None = None):
         """The round's training examples as a `datasets.Dataset` (built from Arrow, no copy
-        through Python objects): example_id, method, weight, source_traj_id, and messages as a
-        list of {"role", "content"} dicts (other message keys are dropped)."""
+        through Python objects): example_id, method, weight, source_traj_id, meta (JSON text), and
+        messages as a list of {"role", "content"} dicts (other message keys are dropped)."""
         import datasets  # imports pandas: keep it off the store's import path
 
         sql = (
-            "SELECT example_id, method, weight, source_traj_id,"
+            "SELECT example_id, method, weight, source_traj_id, CAST(meta AS VARCHAR) AS meta,"
             " json_transform(messages, '[{\"role\": \"VARCHAR\", \"content\": \"VARCHAR\"}]') AS messages"
             " FROM examples WHERE run_id = ? AND round = ?"
         )

@@ -63,16 +63,16 @@ def episode_rows(episodes: list[Episode], model_id: str, purpose: str) -> tuple[
         })
         for i, t in enumerate(ep.turns):
             turns.append({
-                "traj_id": ep.traj_id, "turn_idx": i, "observation": t.observation, "action_text": t.action_text,
+                "traj_id": ep.traj_id, "turn_idx": i, "observation": t.observation, "action_text": t.action_text, "raw_text": t.raw_text,
                 "action_symbol": t.action_symbol, "token_ids": t.token_ids, "logprobs": t.logprobs,
                 "reward": t.reward, "done": t.done, "valid": t.valid, "feedback": t.feedback, "wall_s": t.wall_s,
             })
     return trajs, turns
 
 
-def conversation(system: str, turns: list[dict]) -> list[dict]:
-    """Rebuild the exact conversation the model saw from stored turns (ordered by turn_idx)."""
-    msgs = [{"role": "system", "content": system}]
+def conversation(prefix: list[dict], turns: list[dict]) -> list[dict]:
+    """Rebuild the exact conversation the model saw: the prompt prefix, then the stored turns."""
+    msgs = list(prefix)
     for t in turns:
         msgs.append({"role": "user", "content": t["observation"]})
         msgs.append({"role": "assistant", "content": t["action_text"]})
@@ -93,10 +93,13 @@ def dumps(obj) -> str:
     return json.dumps(obj, sort_keys=True, default=str)
 
 
-def instructions(cfg: Config) -> str:
+def prefix_messages(cfg: Config) -> list[dict]:
+    """The prompt prefix every episode of this config starts with (system + few-shot turns)."""
+    from methods.rollout import prompt_prefix
+
     env: Env = env_factory(cfg)()
     try:
-        return env.instructions()
+        return prompt_prefix(env, cfg.env.show_admissible, cfg.env.few_shot)
     finally:
         env.close()
 
@@ -127,7 +130,8 @@ def play(cfg: Config, backend, episodes: list[Episode], temperature: float, seed
     bar = TurnProgress(desc, cfg.env.max_turns)
     try:
         return run_episodes(env_factory(cfg), episodes, backend, sampling(cfg, temperature, seed),
-                            cfg.env.max_turns, cfg.env.show_admissible, on_turn=bar)
+                            cfg.env.max_turns, cfg.env.show_admissible, cfg.env.few_shot,
+                            cfg.env.project_actions, on_turn=bar)
     finally:
         bar.close()
 
@@ -138,8 +142,9 @@ def fetch_dicts(store: Store, sql: str, params: list | None = None) -> list[dict
     return [dict(zip(cols, r)) for r in cur.fetchall()]
 
 
-def trajectories_with_turns(store: Store, run_id: str, round: int, step: str, system: str) -> list[dict]:
-    """The step's trajectories, each with `messages`: the conversation rebuilt from its turns."""
+def trajectories_with_turns(store: Store, run_id: str, round: int, step: str, prefix: list[dict]) -> list[dict]:
+    """The step's trajectories, each with `messages` (the conversation rebuilt from the prompt prefix
+    and its turns) and `train_from` (where the episode's own messages start)."""
     trajs = fetch_dicts(store, "SELECT * FROM trajectories WHERE run_id = ? AND round = ? AND step = ? ORDER BY traj_id",
                         [run_id, round, step])
     turns = fetch_dicts(store, "SELECT traj_id, turn_idx, observation, action_text FROM turns"
@@ -149,5 +154,6 @@ def trajectories_with_turns(store: Store, run_id: str, round: int, step: str, sy
     for t in turns:
         by_traj.setdefault(t["traj_id"], []).append(t)
     for t in trajs:
-        t["messages"] = conversation(system, by_traj.get(t["traj_id"], []))
+        t["messages"] = conversation(prefix, by_traj.get(t["traj_id"], []))
+        t["train_from"] = len(prefix)
     return trajs

@@ -7,16 +7,16 @@ from prefect.cache_policies import NONE
 
 from configs.schema import Config
 from methods.exit import exit_examples
-from tasks.common import instructions, open_store, trajectories_with_turns
+from tasks.common import open_store, prefix_messages, trajectories_with_turns
 
 
 @task(name="distill", cache_policy=NONE)
 def distill_examples(cfg: Config, round: int) -> dict:
     run_id = cfg.run.name
-    system = instructions(cfg)
+    prefix = prefix_messages(cfg)
     counts = {}
     with open_store(cfg) as store:
-        trajs = trajectories_with_turns(store, run_id, round, "generate", system)
+        trajs = trajectories_with_turns(store, run_id, round, "generate", prefix)
         rows = []
         if "exit" in cfg.distill.methods:
             exs = exit_examples(trajs, cfg.distill.exit.min_reward, cfg.distill.exit.dedupe)

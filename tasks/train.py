@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 from prefect import get_run_logger, task
@@ -25,7 +26,8 @@ def train_candidate(cfg: Config, round: int) -> dict:
     with open_store(cfg, read_only=False) as store:
         champion = store.champion(run_id)
         parent_path = model_path(store, champion)
-        examples = [dict(r) for r in store.examples_dataset(run_id, round)]
+        examples = [{**r, "train_from": json.loads(r["meta"] or "{}").get("train_from", 0)}
+                    for r in store.examples_dataset(run_id, round)]
     out_dir = run_dir(cfg) / "models" / f"round-{round}-candidate"
     if out_dir.exists():  # a rerun after a crash: train again from the champion
         shutil.rmtree(out_dir)

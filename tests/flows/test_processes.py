@@ -43,13 +43,15 @@ def test_kill_9_mid_round_then_resume(tmp_path):
     db = tmp_path / "store.duckdb"
     cmd = RSIFLOW + ["run", "--config", TINY, *_sets(tiny_overrides(tmp_path))]
     log = open(tmp_path / "first.log", "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(tmp_path), stdout=log, stderr=subprocess.STDOUT)
+    # its own process group, so the kill also takes the ephemeral Prefect server it started
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(tmp_path), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     deadline = time.time() + 240
     while "evaluate" not in _completed_steps(db):
         assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
         assert time.time() < deadline, "the run never completed its evaluate step"
         time.sleep(0.1)
-    proc.send_signal(signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     with Store(db, read_only=True) as s:
         killed_at = s.completed_steps("tiny", 1)

@@ -60,10 +60,12 @@ def test_lockstep_one_batched_call_per_turn(backend):
     for ep in eps:
         assert ep.status in {"success", "failure"} and len(ep.turns) == 3
         assert ep.messages[0]["role"] == "system" and ep.messages[-1]["role"] == "assistant"
-        assert [m["role"] for m in ep.messages[1:]] == ["user", "assistant"] * 3
+        # the few-shot prefix: system + the env's demonstration turns; then the episode's own turns
+        assert ep.n_prefix == 1 + 2 * len(HouseholdEnv().demonstration())
+        assert [m["role"] for m in ep.messages[ep.n_prefix:]] == ["user", "assistant"] * 3
         assert all(len(t.token_ids) == len(t.logprobs) for t in ep.turns)
         assert ep.hindsight and ep.gen_tokens == sum(len(t.token_ids) for t in ep.turns)
-        assert "Valid actions:" in ep.messages[1]["content"]
+        assert "Valid actions:" in ep.messages[ep.n_prefix]["content"]
 
 
 def test_crashing_episode_is_recorded_and_batch_goes_on(backend):
