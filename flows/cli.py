@@ -56,8 +56,13 @@ def cmd_run(args) -> None:
     from tasks.common import open_store
     from tasks.setup import ensure_run
 
+    from configs.schema import ConfigError
+
     target = cfg.run.rounds if args.rounds is None else args.rounds
-    ensure_run(cfg)
+    try:
+        ensure_run(cfg)
+    except ConfigError as e:
+        sys.exit(f"rsiflow: {' '.join(files)}: {e}")
     while True:
         with open_store(cfg) as store:
             done = store.last_completed_round(cfg.run.name)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from configs.schema import Config
+from configs.schema import Config, ConfigError
+from envs import make_env
 from models.loading import resolve_base_model
 from tasks.common import open_store
 
@@ -13,12 +14,22 @@ def base_model_id(cfg: Config) -> str:
     return f"{cfg.run.name}/base"
 
 
+def check_env(cfg: Config) -> None:
+    """Build the configured env once, so a bad env name or kwargs fail before any work, naming the key."""
+    try:
+        make_env(cfg.env.name, **cfg.env.kwargs).close()
+    except (ValueError, TypeError, ImportError, AttributeError) as e:
+        key = "env.kwargs" if isinstance(e, TypeError) and "argument" in str(e) else "env.name"
+        raise ConfigError(f"{key}: {e}") from e
+
+
 def ensure_run(cfg: Config) -> str:
     """Idempotent: the run row, and the base model converted/located and registered as 'base'.
 
     A run name reused with a different config is an error (the store would mix two runs).
     The round count is not part of a run's identity: asking for more rounds continues it.
     """
+    check_env(cfg)
     run_id = cfg.run.name
     identity = cfg.model_dump(mode="json")
     identity["run"].pop("rounds")

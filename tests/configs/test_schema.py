@@ -73,3 +73,20 @@ def test_every_field_has_help():
     assert len(rows) > 30
     missing = [path for path, _, desc in rows if not desc.strip()]
     assert not missing, f"fields without a description: {missing}"
+
+
+def test_unknown_env_and_bad_env_kwargs_fail_before_any_work(tmp_path):
+    from tasks.setup import check_env
+
+    with pytest.raises(ConfigError, match=r"env.name: unknown env 'kitchen'.*household"):
+        check_env(load_config([], ["env.name=kitchen"]))
+    with pytest.raises(ConfigError, match=r"env.kwargs: .*rooms"):
+        check_env(load_config([], ["env.kwargs.rooms=3"]))
+    with pytest.raises(ConfigError, match=r"env.name: .*no_such_module"):
+        check_env(load_config([], ["env.name=no_such_module:Env"]))
+
+
+def test_readme_config_reference_lists_every_key():
+    readme = (REPO / "README.md").read_text()
+    missing = [path for path, _, _ in config_reference() if f"`{path}`" not in readme]
+    assert not missing, f"README's config reference lacks {missing}"
