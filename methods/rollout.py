@@ -164,7 +164,7 @@ def run_episodes(
                     wall_s=dt,
                 ))
                 ep.reward += float(res.reward)
-                if res.done or turn_idx == max_turns - 1:
+                if done:
                     ep.success = bool(res.success)
                     ep.status = "success" if res.success else "failure"
                     ep.hindsight = env.hindsight()

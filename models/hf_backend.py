@@ -18,16 +18,31 @@ are dropped; a token that holds the end of `text` *and* the start of the stop st
 with stop "\\n") is kept, so `decode(token_ids)` starts with `text` and then is equal to it unless
 such a straddling token exists. `logprobs[i]` belongs to `token_ids[i]`. `extra["stop"]` names the
 stop string that matched (absent when none did).
+
+KV reuse across calls (opt-in, `kv_reuse=True`; for the episode runner, which sends every live
+episode's whole, grown conversation each turn): after every call the backend keeps, per request, the
+token ids it holds keys/values for (the prompt and the sampled tokens fed back, i.e. all but the last
+one) with those per-layer keys/values (batch 1, no padding) -- only the latest call's entries, at most
+`kv_store_max_tokens` tokens in all (~46 kB per token for SmolLM2-135M in fp32: the 65,536 default is
+~3 GB). A request then reuses the entry with the longest common token prefix, cropped to at most
+prompt length - 1, and prefills only the rest; rows with different cached and new lengths share a
+batch as [pad][cached][pad][new] with explicit position ids, then a hand-written decode loop samples
+exactly as above (temperature, top-p, the same logprobs, eos and stop strings, `_finish_row`) and drops
+finished rows from the batch. `prompt_tokens` stays the full prompt; `extra["prefill_tokens"]` and
+`extra["cached_tokens"]` say how much was encoded and how much reused.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.cache_utils import DynamicLayer
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from models.backend import Generation, SamplingParams
@@ -37,16 +52,31 @@ from models.loading import load_model_and_tokenizer
 # batch 1: 16, 8: 32, 16: 33-39, 32: 43. With another process busy on a core, batch 32+ collapsed to
 # 6-17 tok/s (OpenMP threads spin-waiting for the shared core) while 16 held ~30: 16 is the safe default.
 DEFAULT_MAX_BATCH_SIZE = 16
+# Most tokens of keys/values kept between calls with kv_reuse (~46 kB/token for SmolLM2-135M fp32: ~3 GB).
+DEFAULT_KV_STORE_MAX_TOKENS = 1 << 16
+
+
+@dataclass
+class _KVEntry:
+    """Keys/values of one token sequence, kept between calls: ids (T,) and kv (layers, 2, kv heads, T, head dim)."""
+    ids: np.ndarray
+    kv: torch.Tensor
 
 
 class HFBackend:
     """GenerationBackend on transformers `generate` (CPU default; also runs on one GPU)."""
 
     def __init__(self, model_path: str | Path, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, dtype: str = "float32",
-                 device: str | None = None):
+                 device: str | None = None, kv_reuse: bool = False,
+                 kv_store_max_tokens: int = DEFAULT_KV_STORE_MAX_TOKENS):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if kv_store_max_tokens < 0:
+            raise ValueError(f"kv_store_max_tokens must be >= 0, got {kv_store_max_tokens}")
         self.max_batch_size = max_batch_size
+        self.kv_reuse = kv_reuse
+        self.kv_store_max_tokens = kv_store_max_tokens
+        self._kv_store: list[_KVEntry] = []
         self.dtype = dtype
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.reload(model_path)
@@ -65,6 +95,21 @@ class HFBackend:
         self.model = model.to(self.device)
         self.tokenizer = tokenizer
         self.model_path = str(model_path)
+        self._kv_store = []  # keys/values of the old weights are worthless now
+        if self.kv_reuse:
+            layers = DynamicCache(config=model.config).layers
+            if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+                raise ValueError(f"kv_reuse needs a model whose cache layers are all plain DynamicLayer "
+                                 f"(no sliding window / linear attention): {model_path}")
+
+    def clear_kv_store(self) -> None:
+        """Forget the keys/values kept for reuse (no effect on results, only on speed)."""
+        self._kv_store = []
+
+    @property
+    def kv_store_tokens(self) -> int:
+        """Tokens whose keys/values are kept for reuse now."""
+        return sum(len(entry.ids) for entry in self._kv_store)
 
     def generate(self, conversations: list[list[dict]], params: SamplingParams) -> list[Generation]:
         if not conversations:
@@ -73,7 +118,14 @@ class HFBackend:
             raise ValueError(f"invalid sampling params {params}")
         texts = self.tokenizer.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False)
         prompts = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        if self.kv_reuse:
+            # The old entries live on only in `matches`, each dropped once its chunk is prefilled.
+            matches = [self._longest_prefix(p) for p in prompts]
+            self._kv_store = []
+            order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) - matches[i][1])
+            new_store: list[_KVEntry] = []
+        else:
+            order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         results: list[Generation | None] = [None] * len(prompts)
         # A seeded call must not disturb the global RNG stream of unseeded calls (CPU state restored after).
         seeded = torch.random.fork_rng(devices=[]) if params.seed is not None else contextlib.nullcontext()
@@ -82,9 +134,136 @@ class HFBackend:
                 torch.manual_seed(params.seed)
             for start in range(0, len(order), self.max_batch_size):
                 chunk = order[start:start + self.max_batch_size]
-                for i, generation in zip(chunk, self._generate_chunk([prompts[i] for i in chunk], params)):
+                if self.kv_reuse:
+                    generations = self._generate_chunk_reusing(
+                        [prompts[i] for i in chunk], [matches[i] for i in chunk], params, new_store)
+                    for i in chunk:
+                        matches[i] = None
+                else:
+                    generations = self._generate_chunk([prompts[i] for i in chunk], params)
+                for i, generation in zip(chunk, generations):
                     results[i] = generation
+        if self.kv_reuse:
+            self._kv_store = new_store
         return results
+
+    # ---- KV reuse -------------------------------------------------------------------------------------
+
+    def _longest_prefix(self, prompt: list[int]) -> tuple[_KVEntry | None, int]:
+        """The stored entry sharing the longest token prefix with `prompt`, and how many of its tokens to
+        reuse (at most len(prompt) - 1: at least one token must be fed to get logits)."""
+        best, best_len = None, 0
+        if len(prompt) < 2 or not self._kv_store:
+            return None, 0
+        ids = np.asarray(prompt, dtype=np.int64)
+        for entry in self._kv_store:
+            n = min(len(ids), len(entry.ids))
+            if n <= best_len:
+                continue
+            differ = np.flatnonzero(ids[:n] != entry.ids[:n])
+            common = int(differ[0]) if len(differ) else n
+            if common > best_len:
+                best, best_len = entry, common
+        best_len = min(best_len, len(prompt) - 1)
+        return (best, best_len) if best_len > 0 else (None, 0)
+
+    def _generate_chunk_reusing(self, prompts: list[list[int]], matches: list[tuple[_KVEntry | None, int]],
+                                params: SamplingParams, new_store: list[_KVEntry]) -> list[Generation]:
+        """Prefill each row's uncached tokens after its reused keys/values, then decode token by token.
+
+        Row i (c cached, n new tokens) is laid out as [pad x (C-c)] [cached] [pad x (N-n)] [new]; pads are
+        masked, and position ids count only real tokens, so each row sees exactly its own sequence.
+        """
+        device, pad = self.device, self.tokenizer.pad_token_id
+        batch = len(prompts)
+        cached = [c for _, c in matches]
+        new = [p[c:] for p, c in zip(prompts, cached)]
+        c_max, n_max = max(cached), max(len(x) for x in new)
+
+        cache = DynamicCache(config=self.model.config)
+        if c_max:
+            entry_kv = next(e.kv for e, _ in matches if e is not None)
+            layers, _, heads, _, head_dim = entry_kv.shape
+            past = torch.zeros(layers, 2, batch, heads, c_max, head_dim, dtype=entry_kv.dtype, device=device)
+            for row, (entry, c) in enumerate(matches):
+                if c:
+                    past[:, :, row, :, c_max - c:] = entry.kv[:, :, :, :c]
+            for layer in range(layers):
+                cache.update(past[layer, 0], past[layer, 1], layer)
+            del past, entry_kv
+        matches.clear()  # drop this chunk's references to the old entries
+
+        input_ids = torch.tensor([[pad] * (n_max - len(x)) + x for x in new], device=device)
+        mask = torch.tensor([[0] * (c_max - c) + [1] * c + [0] * (n_max - len(x)) + [1] * len(x)
+                             for c, x in zip(cached, new)], device=device)
+        positions = torch.tensor([[0] * (n_max - len(x)) + list(range(c, c + len(x)))
+                                  for c, x in zip(cached, new)], device=device)
+        next_position = torch.tensor([len(p) for p in prompts], device=device)
+
+        sample = params.temperature > 0
+        warpers = LogitsProcessorList()
+        if sample and params.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(params.temperature))
+        if sample and params.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(params.top_p))
+
+        tokens: list[list[int]] = [[] for _ in range(batch)]
+        logprobs: list[list[float]] = [[] for _ in range(batch)]
+        results: list[Generation | None] = [None] * batch
+        active = list(range(batch))  # chunk rows still in the batch, in batch order
+        budget = self.kv_store_max_tokens - sum(len(e.ids) for e in new_store)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,
+                         use_cache=True, logits_to_keep=1)
+        for step in range(params.max_new_tokens):
+            logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
+            del out
+            scores = warpers(None, logits)
+            if sample:
+                sampled = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            else:
+                sampled = torch.argmax(scores, dim=-1)
+            sampled_logprobs = torch.log_softmax(scores, dim=-1).gather(1, sampled[:, None]).squeeze(1)
+            keep = []
+            for b, (row, token, logprob) in enumerate(zip(active, sampled.tolist(), sampled_logprobs.tolist())):
+                tokens[row].append(token)
+                logprobs[row].append(logprob)
+                done = (token in self._eos_ids or step == params.max_new_tokens - 1
+                        or (params.stop and any(s in self._decode(tokens[row]) for s in params.stop)))
+                if not done:
+                    keep.append(b)
+                    continue
+                # KV held for this row: its cached and new prompt tokens, and every sampled token but the last.
+                known = len(prompts[row]) + len(tokens[row]) - 1
+                if known <= budget:
+                    budget -= known
+                    new_store.append(self._extract_row(cache, b, c_max - cached[row], cached[row],
+                                                       c_max + n_max - len(new[row]), prompts[row] + tokens[row][:-1]))
+                results[row] = self._finish_row(tokens[row], logprobs[row], params.stop, len(prompts[row]))
+                results[row].extra.update(prefill_tokens=len(new[row]), cached_tokens=cached[row])
+            if not keep:
+                break
+            if len(keep) < len(active):
+                index = torch.tensor(keep, device=device)
+                cache.batch_select_indices(index)
+                mask, next_position, sampled = mask[index], next_position[index], sampled[index]
+                active = [active[b] for b in keep]
+            mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
+            out = self.model(input_ids=sampled[:, None], attention_mask=mask, position_ids=next_position[:, None],
+                             cache=cache, use_cache=True, logits_to_keep=1)
+            next_position = next_position + 1
+        return results
+
+    @staticmethod
+    def _extract_row(cache: DynamicCache, b: int, cached_at: int, n_cached: int, new_at: int,
+                     ids: list[int]) -> _KVEntry:
+        """Batch row b's keys/values without pads: [cached_at, cached_at + n_cached) then [new_at, end)."""
+        end = new_at + len(ids) - n_cached
+        kv = torch.stack([
+            torch.stack([torch.cat([t[b, :, cached_at:cached_at + n_cached], t[b, :, new_at:end]], dim=1)
+                         for t in (layer.keys, layer.values)])
+            for layer in cache.layers
+        ])
+        return _KVEntry(ids=np.asarray(ids, dtype=np.int64), kv=kv)
 
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         pad = self.tokenizer.pad_token_id

@@ -1,0 +1,192 @@
+"""HFBackend(kv_reuse=True) on the tiny model: reusing keys/values across calls changes what is prefilled,
+never what is generated (greedy outputs equal the plain path's), and the kept store stays bounded."""
+
+import pytest
+import torch
+
+from models.backend import SamplingParams
+from models.hf_backend import HFBackend, clear_backends, get_backend
+
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, stop=("\n",))
+
+
+def _start(i):
+    return [{"role": "system", "content": "You play a text adventure. Answer with one action."},
+            {"role": "user", "content": f"Room {i}: " + "a dusty corridor, " * (3 * i) + "a door. Your action:"}]
+
+
+def _next_turn(conversations, generations, turn):
+    """Like the episode runner: the action as the assistant message, then the next observation."""
+    return [c + [{"role": "assistant", "content": g.text.strip()},
+                 {"role": "user", "content": f"Turn {turn}: you see {'a lamp ' * (k % 3)}. Your action:"}]
+            for k, (c, g) in enumerate(zip(conversations, generations))]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_path):
+    return HFBackend(tiny_path, max_batch_size=4)
+
+
+@pytest.fixture()
+def reusing(tiny_path):
+    return HFBackend(tiny_path, max_batch_size=4, kv_reuse=True)
+
+
+def _assert_same(expected, got, tol=1e-4):
+    # Cached keys/values come from a different batch layout than a fresh prefill: logits agree to ~1e-6,
+    # so tokens and texts must be identical and logprobs equal within `tol`.
+    assert [g.text for g in got] == [g.text for g in expected]
+    assert [g.token_ids for g in got] == [g.token_ids for g in expected]
+    assert [g.finish_reason for g in got] == [g.finish_reason for g in expected]
+    assert [g.prompt_tokens for g in got] == [g.prompt_tokens for g in expected]
+    for a, b in zip(expected, got):
+        assert b.logprobs == pytest.approx(a.logprobs, abs=tol)
+
+
+def test_greedy_multi_turn_equals_plain_and_reuses_the_history(plain, reusing):
+    conversations = [_start(i) for i in range(6)]
+    for turn in range(3):
+        expected = plain.generate(conversations, GREEDY)
+        got = reusing.generate(conversations, GREEDY)
+        _assert_same(expected, got)
+        for g in got:
+            assert g.extra["prefill_tokens"] + g.extra["cached_tokens"] == g.prompt_tokens
+            if turn == 0:
+                assert g.extra["cached_tokens"] == 0
+            else:
+                assert g.extra["cached_tokens"] > 0
+                assert g.extra["prefill_tokens"] < g.prompt_tokens / 2
+        assert len({g.text for g in got}) > 1
+        conversations = _next_turn(conversations, expected, turn)
+
+
+def test_stop_strings_and_lengths_end_rows_as_in_the_plain_path(plain, reusing):
+    conversations = [_start(i) for i in range(5)]
+    for params in (SamplingParams(max_new_tokens=10, temperature=0.0, stop=("e", "an")),
+                   SamplingParams(max_new_tokens=1, temperature=0.0),
+                   SamplingParams(max_new_tokens=12, temperature=0.0)):
+        for _ in range(2):  # second round: the same prompts again, now (all but one token) cached
+            _assert_same(plain.generate(conversations, params), reusing.generate(conversations, params))
+        assert all(g.extra["prefill_tokens"] == 1 for g in reusing.generate(conversations, params))
+    # Stop strings taken from the plain outputs, so rows end at different steps (finished rows leave the batch).
+    full = plain.generate(conversations, SamplingParams(max_new_tokens=12, temperature=0.0))
+    stop = tuple({plain._decode(full[row].token_ids[at:at + 1]).strip() or "\n" for row, at in ((0, 6), (2, 3))})
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, stop=stop)
+    for _ in range(2):
+        expected, got = plain.generate(conversations, params), reusing.generate(conversations, params)
+        _assert_same(expected, got)
+    assert sum(bool(g.extra.get("stop")) for g in got) >= 2
+    assert len({len(g.token_ids) for g in got}) > 2
+
+
+def test_batches_mixing_hits_misses_and_shared_prefixes(plain, reusing, monkeypatch):
+    first = [_start(i) for i in range(3)]
+    reusing.generate(first, GREEDY)
+    later = [
+        _next_turn(first[:1], plain.generate(first[:1], GREEDY), 0)[0],   # continues row 0
+        [{"role": "user", "content": "Something else entirely, never seen before."}],  # no hit
+        first[1][:1] + [{"role": "user", "content": "Room 1, another observation."}],  # shares the system prompt
+        first[2],                                                        # exactly a previous prompt
+        first[2][:1] + [{"role": "user", "content": "x"}],              # short, shares the system prompt
+        first[0][:1] + [{"role": "user", "content": first[0][1]["content"] + " more"}],  # shares most of row 0
+    ]
+    for batch_size in (2, 8):
+        monkeypatch.setattr(reusing, "max_batch_size", batch_size)
+        reusing.clear_kv_store()
+        reusing.generate(first, GREEDY)
+        got = reusing.generate(later, GREEDY)
+        _assert_same(plain.generate(later, GREEDY), got)
+        cached = [g.extra["cached_tokens"] for g in got]
+        assert cached[1] == 0 or cached[1] < 5  # only the template's opening tokens can match
+        assert cached[0] > cached[2] > 0 and cached[4] > 0 and cached[5] > cached[2]
+        assert got[3].extra["prefill_tokens"] == 1
+
+
+def test_seeded_sampling_is_reproducible_and_logprobs_are_the_warped_ones(tiny_path, reusing):
+    params = SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9, seed=3, stop=("\n",))
+    conversations = [_start(i) for i in range(5)]
+
+    def play(backend):
+        backend.clear_kv_store()
+        out, convs = [], conversations
+        for turn in range(3):
+            gens = backend.generate(convs, params)
+            out.append(gens)
+            convs = _next_turn(convs, gens, turn)
+        return out
+
+    first, second = play(reusing), play(reusing)
+    other = play(HFBackend(tiny_path, max_batch_size=4, kv_reuse=True))
+    for a, b, c in zip(first, second, other):
+        assert [g.token_ids for g in a] == [g.token_ids for g in b] == [g.token_ids for g in c]
+        assert [g.logprobs for g in a] == [g.logprobs for g in b]
+    assert first[-1][0].extra["cached_tokens"] > 0
+
+    # The sampling logprobs are those of the tempered distribution (no top-p here), by one plain forward pass.
+    params = SamplingParams(max_new_tokens=8, temperature=0.7, seed=5)
+    reusing.generate(conversations, params)
+    tok = reusing.tokenizer
+    for conversation, g in zip(conversations, reusing.generate(conversations, params)):
+        assert g.extra["cached_tokens"] > 0
+        prompt = tok(tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False),
+                     add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            logits = reusing.model(torch.tensor([prompt + g.token_ids])).logits[0, len(prompt) - 1:-1] / 0.7
+        expected = logits.log_softmax(-1).gather(1, torch.tensor(g.token_ids)[:, None]).squeeze(1)
+        assert torch.allclose(torch.tensor(g.logprobs), expected, atol=1e-4)
+
+
+def test_the_store_keeps_only_the_latest_call_and_respects_its_limit(tiny_path, plain, reusing):
+    conversations = [_start(i) for i in range(4)]
+    sizes = []
+    for turn in range(8):
+        gens = reusing.generate(conversations, GREEDY)
+        assert len(reusing._kv_store) == len(conversations)
+        assert reusing.kv_store_tokens <= sum(g.prompt_tokens + len(g.token_ids) for g in gens)
+        sizes.append(reusing.kv_store_tokens)
+        # Every other turn the episodes restart, so the store must shrink back instead of accumulating.
+        conversations = _next_turn(conversations, gens, turn) if turn % 2 == 0 else [_start(i) for i in range(4)]
+    assert max(sizes) < 2 * min(sizes)
+
+    # A store too small for all rows: some rows find their own history, the others only a shared prefix.
+    small = HFBackend(tiny_path, max_batch_size=4, kv_reuse=True, kv_store_max_tokens=200)
+    conversations = [_start(i) for i in range(4)]
+    for turn in range(3):
+        got = small.generate(conversations, GREEDY)
+        _assert_same(plain.generate(conversations, GREEDY), got)
+        if turn:
+            assert len({g.extra["cached_tokens"] > 30 for g in got}) == 2
+        assert 0 < small.kv_store_tokens <= 200
+        conversations = _next_turn(conversations, got, turn)
+    off = HFBackend(tiny_path, max_batch_size=4, kv_reuse=True, kv_store_max_tokens=0)
+    off.generate([_start(0)], GREEDY)
+    assert off.kv_store_tokens == 0 and off.generate([_start(0)], GREEDY)[0].extra["cached_tokens"] == 0
+    reusing.reload(tiny_path)
+    assert reusing.kv_store_tokens == 0
+
+
+def test_plain_backend_keeps_nothing_and_get_backend_passes_kv_reuse(tiny_path, plain):
+    plain.generate([_start(0)], GREEDY)
+    assert plain.kv_store_tokens == 0
+    clear_backends()
+    try:
+        assert get_backend(tiny_path, kv_reuse=True).kv_reuse
+        assert not get_backend(tiny_path).kv_reuse
+    finally:
+        clear_backends()
+
+
+def test_rows_without_any_cache_next_to_cached_rows(plain, reusing, monkeypatch):
+    """Every templated prompt shares at least its first token with any stored entry, so force real misses:
+    fully padded cache rows (their leading pads attend to nothing) must not disturb the other rows."""
+    conversations = [_start(i) for i in range(6)]
+    gens = reusing.generate(conversations, GREEDY)
+    conversations = _next_turn(conversations, gens, 0)
+    lookup = reusing._longest_prefix
+    monkeypatch.setattr(reusing, "_longest_prefix", lambda p: (None, 0) if len(p) % 2 else lookup(p))
+    monkeypatch.setattr(reusing, "max_batch_size", 6)
+    got = reusing.generate(conversations, GREEDY)
+    _assert_same(plain.generate(conversations, GREEDY), got)
+    assert {g.extra["cached_tokens"] == 0 for g in got} == {True, False}
+    for g in got:
+        assert all(lp == lp for lp in g.logprobs)  # no NaN
