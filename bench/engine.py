@@ -79,10 +79,11 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-reuse", action="store_true", help="the engine's backend reuses KV caches across turns")
     args = ap.parse_args()
 
     path = resolve_base_model(args.model, Path(args.cache).expanduser())
-    backend = HFBackend(path, max_batch_size=args.batch)
+    backend = HFBackend(path, max_batch_size=args.batch, kv_reuse=args.kv_reuse)
     tasks = make_env("household").sample_tasks("train", args.episodes, args.seed)
     episodes = [Episode(traj_id=f"b{i}", task=t, group_id=t.task_id, sample_idx=0) for i, t in enumerate(tasks)]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=0.95, seed=args.seed)
@@ -96,9 +97,9 @@ def main() -> None:
 
     engine_rate = sampled / engine_s
     base_rate = base_tokens / base_s
-    prefill = sum(e.prompt_tokens for e in episodes) / len(episodes)
+    prefill = sum(g.extra.get("prefill_tokens", g.prompt_tokens) for _, gens in rec.calls for g in gens) / len(episodes)
     final_ctx = sum(_final_context(backend, e) for e in episodes) / len(episodes)
-    print(f"model {args.model}  episodes {args.episodes}  max_turns {args.max_turns}  batch {args.batch}  "
+    print(f"model {args.model}  kv_reuse {args.kv_reuse}  episodes {args.episodes}  max_turns {args.max_turns}  batch {args.batch}  "
           f"torch threads {torch.get_num_threads()}")
     print(f"engine   : {sampled} sampled tokens ({kept} kept) in {engine_s:.2f} s = {engine_rate:.1f} tok/s "
           f"(of which backend.generate {rec.seconds:.2f} s)")

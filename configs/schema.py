@@ -51,6 +51,11 @@ class BackendConfig(_Section):
     kind: Literal["hf"] = Field("hf", description="Generation backend. 'hf' (transformers generate) is the one built; vllm and openai come later.")
     max_batch_size: int = Field(16, ge=1, description="Most conversations per generate call; larger batches are split.")
     max_new_tokens: int = Field(24, ge=1, description="Most tokens per action.")
+    kv_reuse: bool = Field(
+        False,
+        description="Keep each conversation's KV cache between calls and prefill only the new tokens of the next "
+        "turn (longest common token prefix); outputs are the same, prefill per episode drops to about its final context.",
+    )
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature for training rollouts (0 = greedy).")
     top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus sampling mass for training rollouts.")
 

@@ -37,16 +37,13 @@ def _load(args):
 
 
 def _print_report(cfg) -> None:
-    from rich.console import Console
-    from rich.markdown import Markdown
-
     from tasks.common import open_store
     from tasks.report import write_report
 
     with open_store(cfg) as store:
         md_path, png, md = write_report(store, cfg.run.name, cfg.run_dir / "report")
-    Console().print(Markdown(md))
-    print(f"report: {md_path}\nplot:   {png}")
+    print(md)
+    print(f"report: {md_path}\nplot:   {png}", flush=True)
 
 
 def cmd_run(args) -> None:

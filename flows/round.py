@@ -50,7 +50,7 @@ def run_round(cfg: Config) -> dict:
     return {"round": round, "skipped": sorted(done), "results": results}
 
 
-@flow(name="improvement-round", log_prints=True)
+@flow(name="improvement-round")
 def improvement_round(config: list[str] = ["configs/default.yaml"], overrides: list[str] = []) -> dict:
     """Run the next round of the run that `config` (YAML files, overlays last) names."""
     return run_round(load_config(config, overrides))

@@ -10,7 +10,7 @@ from tasks.common import open_store
 from tasks.setup import ensure_run
 
 
-@flow(name="self-improve", log_prints=True)
+@flow(name="self-improve")
 def self_improve(config: list[str] = ["configs/default.yaml"], overrides: list[str] = [],
                  rounds: int | None = None) -> list[dict]:
     """Run rounds (each an `improvement-round` subflow) until `rounds` (default: run.rounds) are done."""

@@ -224,8 +224,11 @@ class Store:
     # ---- step transactions ----------------------------------------------------------------
 
     @contextmanager
-    def step(self, run_id: str, round: int, step: str) -> Iterator[StepWriter]:
+    def step(self, run_id: str, round: int, step: str, started_at: datetime | None = None) -> Iterator[StepWriter]:
         """One transaction for a pipeline step's writes, keyed by (run_id, round, step).
+
+        `started_at` is when the step's work began (steps compute first and write at the end, so
+        the step's duration is finished_at - started_at); default: now.
 
         On enter: BEGIN, mark the step running, delete every row the key wrote before (in all
         step-keyed tables, including `models` rows created by the step). On normal exit: mark
@@ -233,7 +236,7 @@ class Store:
         error text in a new transaction, and re-raise.
         """
         con = self._con
-        started = _utcnow()
+        started = started_at or _utcnow()
         con.begin()
         try:
             con.execute(

@@ -8,6 +8,7 @@ step run again writes the same ids and replaces its rows.
 from __future__ import annotations
 
 import json
+from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 
@@ -21,6 +22,11 @@ from stores.store import Store
 STEPS = ("generate", "evaluate", "distill", "train", "gate", "deploy")
 
 
+def utcnow() -> datetime:
+    """Naive UTC, as the store keeps timestamps; a step's start, passed to `Store.step`."""
+    return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
 def open_store(cfg: Config, read_only: bool = False) -> Store:
     return Store(cfg.run.store, read_only=read_only)
 
@@ -32,7 +38,8 @@ def env_factory(cfg: Config):
 def backend_for(cfg: Config, model_path: str):
     from models.hf_backend import get_backend
 
-    return get_backend(model_path, max_batch_size=cfg.backend.max_batch_size, dtype=cfg.model.dtype)
+    return get_backend(model_path, max_batch_size=cfg.backend.max_batch_size, dtype=cfg.model.dtype,
+                       kv_reuse=cfg.backend.kv_reuse)
 
 
 def model_path(store: Store, model_id: str) -> str:

@@ -9,12 +9,13 @@ from prefect.artifacts import create_image_artifact, create_markdown_artifact
 from prefect.cache_policies import NONE
 
 from configs.schema import Config
-from tasks.common import backend_for, model_path, open_store, run_dir
+from tasks.common import backend_for, model_path, open_store, run_dir, utcnow
 from tasks.report import png_data_uri, round_rows, write_report
 
 
 @task(name="deploy", cache_policy=NONE)
 def redeploy(cfg: Config, round: int) -> dict:
+    started = utcnow()
     run_id = cfg.run.name
     with open_store(cfg) as store:
         champion = store.champion(run_id)
@@ -22,7 +23,7 @@ def redeploy(cfg: Config, round: int) -> dict:
     backend_for(cfg, path)  # the serving backend now holds the champion's weights
     with open_store(cfg) as store:
         rows = {r["round"]: r for r in round_rows(store, run_id)}
-        with store.step(run_id, round, "deploy") as tx:
+        with store.step(run_id, round, "deploy", started) as tx:
             store.finish_round(run_id, round, champion, rows.get(round, {}))
         md_path, png, md = write_report(store, run_id, run_dir(cfg) / "report")
     key = re.sub(r"[^a-z0-9-]", "-", f"rsiflow-{run_id}".lower())

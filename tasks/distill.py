@@ -7,11 +7,12 @@ from prefect.cache_policies import NONE
 
 from configs.schema import Config
 from methods.exit import exit_examples
-from tasks.common import open_store, prefix_messages, trajectories_with_turns
+from tasks.common import open_store, prefix_messages, trajectories_with_turns, utcnow
 
 
 @task(name="distill", cache_policy=NONE)
 def distill_examples(cfg: Config, round: int) -> dict:
+    started = utcnow()
     run_id = cfg.run.name
     prefix = prefix_messages(cfg)
     counts = {}
@@ -23,7 +24,7 @@ def distill_examples(cfg: Config, round: int) -> dict:
             counts["exit"] = len(exs)
             rows += [{"example_id": e.example_id, "method": e.method, "source_traj_id": e.source_traj_id,
                       "messages": e.messages, "weight": e.weight, "meta": e.meta} for e in exs]
-        with store.step(run_id, round, "distill") as tx:
+        with store.step(run_id, round, "distill", started) as tx:
             tx.insert("examples", rows)
     get_run_logger().info("round %d distill: %s examples", round, counts)
     return counts

@@ -8,7 +8,7 @@ from prefect.cache_policies import NONE
 from configs.schema import Config
 from methods.groups import group_counts, group_stats
 from methods.stats import wilson_interval
-from tasks.common import open_store
+from tasks.common import open_store, utcnow
 
 
 def success_rows(rows: list[dict], model_id: str, split: str, env: str, confidence: float, prefix: str) -> list[dict]:
@@ -29,6 +29,7 @@ def success_rows(rows: list[dict], model_id: str, split: str, env: str, confiden
 
 @task(name="evaluate", cache_policy=NONE)
 def evaluate_rollouts(cfg: Config, round: int) -> dict:
+    started = utcnow()
     run_id = cfg.run.name
     with open_store(cfg) as store:
         rows = store.con.execute(
@@ -43,7 +44,7 @@ def evaluate_rollouts(cfg: Config, round: int) -> dict:
         counts = group_counts(group_stats(rows))
         evals = success_rows(rows, rows[0]["model_id"], "train", cfg.env.name, cfg.gate.confidence,
                              f"{run_id}/r{round}/evaluate")
-        with store.step(run_id, round, "evaluate") as tx:
+        with store.step(run_id, round, "evaluate", started) as tx:
             tx.insert("evaluations", evals)
     get_run_logger().info("round %d groups: %s", round, counts)
     return counts

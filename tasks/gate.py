@@ -15,7 +15,7 @@ from configs.schema import Config
 from envs.base import TaskSpec
 from methods.rollout import Episode
 from methods.stats import compare, should_promote
-from tasks.common import backend_for, env_factory, episode_rows, fetch_dicts, model_path, open_store, play
+from tasks.common import backend_for, env_factory, episode_rows, fetch_dicts, model_path, open_store, play, utcnow
 from tasks.evaluate import success_rows
 from tasks.train import candidate_id
 
@@ -41,6 +41,7 @@ def _stored_results(store, run_id: str, model_id: str, task_ids: list[str]) -> d
 
 @task(name="gate", cache_policy=NONE)
 def gate_candidate(cfg: Config, round: int) -> dict:
+    started = utcnow()
     run_id = cfg.run.name
     tasks = heldout_tasks(cfg)
     task_ids = [t.task_id for t in tasks]
@@ -74,7 +75,7 @@ def gate_candidate(cfg: Config, round: int) -> dict:
                 "candidate_trajectories": [r["traj_id"] for r in cand],
                 "champion_trajectories": [r["traj_id"] for r in champ]}
 
-    with open_store(cfg) as store, store.step(run_id, round, "gate") as tx:
+    with open_store(cfg) as store, store.step(run_id, round, "gate", started) as tx:
         tx.insert("tasks", [t.to_row() for t in tasks])
         for mid, episodes in played.items():
             trajs, turns = episode_rows(episodes, mid, "eval")

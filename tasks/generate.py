@@ -7,11 +7,12 @@ from prefect.cache_policies import NONE
 
 from configs.schema import Config
 from methods.rollout import Episode
-from tasks.common import backend_for, episode_rows, model_path, open_store, play, round_seed, env_factory
+from tasks.common import backend_for, env_factory, episode_rows, model_path, open_store, play, round_seed, utcnow
 
 
 @task(name="generate", cache_policy=NONE)
 def generate_rollouts(cfg: Config, round: int) -> dict:
+    started = utcnow()
     run_id = cfg.run.name
     with open_store(cfg) as store:
         champion = store.champion(run_id)
@@ -30,7 +31,7 @@ def generate_rollouts(cfg: Config, round: int) -> dict:
     backend = backend_for(cfg, path)
     play(cfg, backend, episodes, cfg.backend.temperature, seed, f"round {round} generate")
     trajs, turns = episode_rows(episodes, champion, "train")
-    with open_store(cfg) as store, store.step(run_id, round, "generate") as tx:
+    with open_store(cfg) as store, store.step(run_id, round, "generate", started) as tx:
         tx.insert("tasks", [t.to_row() for t in task_specs])
         tx.insert("trajectories", trajs)
         tx.insert("turns", turns)

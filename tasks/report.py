@@ -34,6 +34,9 @@ def round_rows(store: Store, run_id: str) -> list[dict]:
         gen = fetch_dicts(store, "SELECT group_id, reward, success, gen_tokens FROM trajectories"
                           " WHERE run_id = ? AND round = ? AND step = 'generate'", [run_id, r])
         counts = group_counts(group_stats(gen)) if gen else {}
+        projected = store.con.execute(
+            "SELECT avg(CASE WHEN raw_text IS NULL THEN 0 ELSE 1 END) FROM turns"
+            " WHERE run_id = ? AND round = ? AND step = 'generate'", [run_id, r]).fetchall()[0][0]
         n_ex = store.con.execute("SELECT count(*) FROM examples WHERE run_id = ? AND round = ?", [run_id, r]).fetchall()[0][0]
         train = store.con.execute("SELECT train_metrics FROM models WHERE model_id = ?", [d["candidate_id"]]).fetchall()
         tm = json.loads(train[0][0]) if train and train[0][0] else {}
@@ -43,6 +46,7 @@ def round_rows(store: Store, run_id: str) -> list[dict]:
             "round": r,
             "train_success": sum(bool(g["success"]) for g in gen) / len(gen) if gen else None,
             **{k: counts.get(k) for k in ("all_fail", "all_pass", "mixed")},
+            "projected": projected,
             "examples": n_ex,
             "train_loss": tm.get("train_loss"),
             "champion_before": d["champion_id"],
@@ -74,16 +78,19 @@ def heldout_series(rows: list[dict]) -> list[tuple[str, dict | None]]:
 
 def markdown_table(run_id: str, rows: list[dict]) -> str:
     lines = [f"# rsiflow run `{run_id}`", "",
-             "| round | train success | groups fail/pass/mixed | examples | train loss | champion held-out | "
-             "candidate held-out | decision | seconds |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| round | train success | groups fail/pass/mixed | projected actions | examples | train loss | "
+             "champion held-out | candidate held-out | decision | seconds |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         loss = f"{r['train_loss']:.3f}" if r["train_loss"] is not None else "-"
         ts = f"{r['train_success']:.3f}" if r["train_success"] is not None else "-"
         secs = sum(r["step_seconds"].values())
-        lines.append(f"| {r['round']} | {ts} | {r['all_fail']}/{r['all_pass']}/{r['mixed']} | {r['examples']} | {loss} | "
+        proj = f"{r['projected']:.2f}" if r["projected"] is not None else "-"
+        lines.append(f"| {r['round']} | {ts} | {r['all_fail']}/{r['all_pass']}/{r['mixed']} | {proj} | {r['examples']} | {loss} | "
                      f"{_fmt(r['champion_heldout'])} | {_fmt(r['candidate_heldout'])} | {r['decision']} | {secs:.0f} |")
-    lines += ["", "Held-out success of the serving model (95% Wilson interval):", ""]
+    lines += ["", "projected actions: share of generated actions that were not admissible and were replaced by the "
+              "closest admissible one (`env.project_actions`).", "",
+              "Held-out success of the serving model (95% Wilson interval):", ""]
     for label, h in heldout_series(rows):
         lines.append(f"- {label}: {_fmt(h)}")
     return "\n".join(lines) + "\n"

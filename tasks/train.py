@@ -9,7 +9,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from configs.schema import Config
-from tasks.common import model_path, open_store, round_seed, run_dir
+from tasks.common import model_path, open_store, round_seed, run_dir, utcnow
 
 
 def candidate_id(cfg: Config, round: int) -> str:
@@ -18,6 +18,7 @@ def candidate_id(cfg: Config, round: int) -> str:
 
 @task(name="train", cache_policy=NONE)
 def train_candidate(cfg: Config, round: int) -> dict:
+    started = utcnow()
     from tqdm.auto import tqdm
 
     from models.sft import train_sft
@@ -43,7 +44,7 @@ def train_candidate(cfg: Config, round: int) -> dict:
     finally:
         bar.close()
     cid = candidate_id(cfg, round)
-    with open_store(cfg) as store, store.step(run_id, round, "train") as tx:
+    with open_store(cfg) as store, store.step(run_id, round, "train", started) as tx:
         tx.insert("models", [{"model_id": cid, "parent_id": champion, "path": str(out_dir), "role": "candidate",
                               "train_metrics": metrics}])
         tx.insert("train_inputs", [{"model_id": cid, "example_id": e} for e in used_ids])
