@@ -95,15 +95,18 @@ def main() -> None:
     sampled = sum(_sampled(g) for _, gens in rec.calls for g in gens)
     base_s, base_tokens = baseline_seconds(backend, rec.calls, params)
 
+    # Same prompts, same lengths: both did the engine's work (`sampled` tokens); the baseline also
+    # ran finished rows of a chunk to the chunk's longest row (as `generate` does), counted apart.
     engine_rate = sampled / engine_s
-    base_rate = base_tokens / base_s
+    base_rate = sampled / base_s
     prefill = sum(g.extra.get("prefill_tokens", g.prompt_tokens) for _, gens in rec.calls for g in gens) / len(episodes)
     final_ctx = sum(_final_context(backend, e) for e in episodes) / len(episodes)
     print(f"model {args.model}  kv_reuse {args.kv_reuse}  episodes {args.episodes}  max_turns {args.max_turns}  batch {args.batch}  "
           f"torch threads {torch.get_num_threads()}")
     print(f"engine   : {sampled} sampled tokens ({kept} kept) in {engine_s:.2f} s = {engine_rate:.1f} tok/s "
           f"(of which backend.generate {rec.seconds:.2f} s)")
-    print(f"baseline : {base_tokens} tokens in {base_s:.2f} s = {base_rate:.1f} tok/s (plain model.generate, same prompts)")
+    print(f"baseline : the same {sampled} tokens in {base_s:.2f} s = {base_rate:.1f} tok/s (plain model.generate, same "
+          f"prompts and lengths; {base_tokens} tokens incl. rows padded to their chunk's longest)")
     print(f"ratio    : engine / baseline = {engine_rate / base_rate:.3f}   (budget >= 0.9)")
     print(f"prefill  : {prefill:.0f} prompt tokens per episode vs final context {final_ctx:.0f} "
           f"= {prefill / final_ctx:.2f}x   (budget <= 1.2x, needs KV reuse across turns)")
