@@ -7,14 +7,13 @@ step run again writes the same ids and replaces its rows.
 
 from __future__ import annotations
 
-import json
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 
 from configs.schema import Config
 from envs import make_env
-from envs.base import Env, TaskSpec
+from envs.base import Env
 from methods.rollout import Episode
 from models.backend import SamplingParams
 from stores.store import Store
@@ -86,18 +85,10 @@ def conversation(prefix: list[dict], turns: list[dict]) -> list[dict]:
     return msgs
 
 
-def tasks_from_rows(rows: list[dict]) -> list[TaskSpec]:
-    return [TaskSpec.from_row(r) for r in rows]
-
-
 def run_dir(cfg: Config) -> Path:
     d = cfg.run_dir
     d.mkdir(parents=True, exist_ok=True)
     return d
-
-
-def dumps(obj) -> str:
-    return json.dumps(obj, sort_keys=True, default=str)
 
 
 def prefix_messages(cfg: Config) -> list[dict]:
