@@ -54,3 +54,19 @@ def test_second_round_reuses_champion_results_and_continues(tmp_path, prefect_ap
     assert con.execute("SELECT DISTINCT model_id FROM trajectories WHERE round = 2 AND step = 'generate'").fetchall() == [
         ("tiny/r1/candidate",)]
     con.close()
+
+
+def test_cli_status_and_report_read_the_store(tmp_path, prefect_api, capsys):
+    from flows.cli import main
+
+    overrides = tiny_overrides(tmp_path)
+    improvement_round([TINY], overrides)
+    sets = [a for o in overrides for a in ("--set", o)]
+    main(["status", "--config", TINY, *sets])
+    out = capsys.readouterr().out
+    assert "champion: tiny/r1/candidate" in out and "completed rounds: 1" in out
+    for step in STEPS:
+        assert f"round  1  {step}" in out
+    main(["report", "--config", TINY, *sets])
+    out = capsys.readouterr().out
+    assert "| 1 |" in out and "- base:" in out and "heldout.png" in out
