@@ -163,7 +163,7 @@ CREATE TABLE gate_decisions (
     step            VARCHAR,
     candidate_id    VARCHAR,
     champion_id     VARCHAR,
-    decision        VARCHAR CHECK (decision IN ('promote', 'reject')),
+    decision        VARCHAR CHECK (decision IN ('promote', 'reject', 'skip')),  -- skip: no candidate was trained
     rule            VARCHAR,
     evidence        JSON,
     new_champion_id VARCHAR,

@@ -1,5 +1,6 @@
 """gate: candidate and champion play the same held-out tasks with the same seeds; the config's
-promotion rule decides; the decision and its evidence are recorded either way.
+promotion rule decides; the decision and its evidence are recorded either way. A round that
+trained no candidate (no examples) records a 'skip'; the champion stays.
 
 The champion's held-out results are reused when the store already has them for exactly these
 tasks (it played them as the previous round's candidate, or as the base in round 1): the same
@@ -48,12 +49,16 @@ def gate_candidate(cfg: Config, round: int) -> dict:
     cid = candidate_id(cfg, round)
     with open_store(cfg) as store:
         champion = store.champion(run_id)
-        paths = {m: model_path(store, m) for m in (cid, champion)}
+        trained = bool(store.con.execute("SELECT count(*) FROM models WHERE model_id = ?", [cid]).fetchall()[0][0])
+        paths = {m: model_path(store, m) for m in ((cid, champion) if trained else (champion,))}
         reused = _stored_results(store, run_id, champion, task_ids)
 
-    to_play = [cid] if reused is not None else [cid, champion]
+    # The champion plays only when the store lacks its results on these tasks (round 1: the base).
+    to_play = [("candidate", cid)] if trained else []
+    if reused is None:
+        to_play.append(("champion", champion))
     played: dict[str, list[Episode]] = {}
-    for tag, mid in zip(("candidate", "champion"), to_play):
+    for tag, mid in to_play:
         episodes = [Episode(traj_id=f"{run_id}/r{round}/gate/{tag}/{i:04d}", task=t,
                             group_id=f"{run_id}/eval/{t.task_id}", sample_idx=0) for i, t in enumerate(tasks)]
         play(cfg, backend_for(cfg, paths[mid]), episodes, cfg.gate.temperature, cfg.gate.seed,
@@ -66,14 +71,24 @@ def gate_candidate(cfg: Config, round: int) -> dict:
                      "traj_id": e.traj_id} for e in played[mid]]
         return [{**reused[t.task_id], "task_type": t.task_type} for t in tasks]
 
-    cand, champ = outcome(cid), outcome(champion)
-    ev = compare([bool(r["success"]) for r in cand], [bool(r["success"]) for r in champ],
-                 cfg.gate.rule, cfg.gate.confidence)
-    promote = should_promote(ev)
-    new_champion = cid if promote else champion
-    evidence = {**ev.to_dict(), "task_ids": task_ids, "champion_results_reused": reused is not None,
-                "candidate_trajectories": [r["traj_id"] for r in cand],
-                "champion_trajectories": [r["traj_id"] for r in champ]}
+    champ = outcome(champion)
+    if trained:
+        cand = outcome(cid)
+        ev = compare([bool(r["success"]) for r in cand], [bool(r["success"]) for r in champ],
+                     cfg.gate.rule, cfg.gate.confidence)
+        decision = "promote" if should_promote(ev) else "reject"
+        evidence = {**ev.to_dict(), "candidate_trajectories": [r["traj_id"] for r in cand]}
+        summary = {"decision": decision, "candidate": ev.candidate_rate, "champion": ev.champion_rate,
+                   "candidate_ci": ev.candidate_ci, "champion_ci": ev.champion_ci}
+    else:
+        decision = "skip"
+        successes = sum(bool(r["success"]) for r in champ)
+        evidence = {"reason": "no training examples this round: no candidate was trained",
+                    "n": len(champ), "champion_successes": successes, "champion_rate": successes / len(champ)}
+        summary = {"decision": decision, "champion": evidence["champion_rate"]}
+    evidence.update(task_ids=task_ids, champion_results_reused=reused is not None,
+                    champion_trajectories=[r["traj_id"] for r in champ])
+    new_champion = cid if decision == "promote" else champion
 
     with open_store(cfg) as store, store.step(run_id, round, "gate", started) as tx:
         tx.insert("tasks", [t.to_row() for t in tasks])
@@ -84,11 +99,11 @@ def gate_candidate(cfg: Config, round: int) -> dict:
             tag = "candidate" if mid == cid else "champion"
             tx.insert("evaluations", success_rows(outcome(mid), mid, "heldout", cfg.env.name, cfg.gate.confidence,
                                                   f"{run_id}/r{round}/gate/{tag}"))
-        tx.insert("gate_decisions", [{"candidate_id": cid, "champion_id": champion,
-                                      "decision": "promote" if promote else "reject", "rule": cfg.gate.rule,
-                                      "evidence": evidence, "new_champion_id": new_champion}])
-        tx.execute("UPDATE models SET role = ? WHERE model_id = ?", ["champion" if promote else "rejected", cid])
-    summary = {"decision": "promote" if promote else "reject", "candidate": ev.candidate_rate,
-               "champion": ev.champion_rate, "candidate_ci": ev.candidate_ci, "champion_ci": ev.champion_ci}
+        tx.insert("gate_decisions", [{"candidate_id": cid if trained else None, "champion_id": champion,
+                                      "decision": decision, "rule": cfg.gate.rule, "evidence": evidence,
+                                      "new_champion_id": new_champion}])
+        if trained:
+            tx.execute("UPDATE models SET role = ? WHERE model_id = ?",
+                       ["champion" if decision == "promote" else "rejected", cid])
     get_run_logger().info("round %d gate: %s", round, summary)
     return summary

@@ -38,7 +38,8 @@ def round_rows(store: Store, run_id: str) -> list[dict]:
             "SELECT avg(CASE WHEN raw_text IS NULL THEN 0 ELSE 1 END) FROM turns"
             " WHERE run_id = ? AND round = ? AND step = 'generate'", [run_id, r]).fetchall()[0][0]
         n_ex = store.con.execute("SELECT count(*) FROM examples WHERE run_id = ? AND round = ?", [run_id, r]).fetchall()[0][0]
-        train = store.con.execute("SELECT train_metrics FROM models WHERE model_id = ?", [d["candidate_id"]]).fetchall()
+        train = store.con.execute("SELECT train_metrics FROM models WHERE model_id = ?",
+                                  [d["candidate_id"]]).fetchall() if d["candidate_id"] else []
         tm = json.loads(train[0][0]) if train and train[0][0] else {}
         timing = fetch_dicts(store, "SELECT step, epoch(finished_at - started_at) AS s FROM steps"
                              " WHERE run_id = ? AND round = ? AND status = 'completed'", [run_id, r])

@@ -32,6 +32,14 @@ def train_candidate(cfg: Config, round: int) -> dict:
     out_dir = run_dir(cfg) / "models" / f"round-{round}-candidate"
     if out_dir.exists():  # a rerun after a crash: train again from the champion
         shutil.rmtree(out_dir)
+    if not examples:
+        # Nothing to learn from: a candidate would be a copy of the champion. None is trained or
+        # registered, and the gate records a 'skip'.
+        with open_store(cfg) as store, store.step(run_id, round, "train", started):
+            pass
+        metrics = {"examples": 0, "skipped": "no training examples this round"}
+        get_run_logger().info("round %d train: skipped, no training examples", round)
+        return metrics
     bar = tqdm(desc=f"round {round} train", unit="step", leave=False)
 
     def on_step(step: int, total: int) -> None:
@@ -40,7 +48,7 @@ def train_candidate(cfg: Config, round: int) -> dict:
 
     try:
         metrics, used_ids = train_sft(parent_path, examples, out_dir, cfg.train, seed=round_seed(cfg, round, 1),
-                            dtype=cfg.model.dtype, on_step=on_step)
+                                      dtype=cfg.model.dtype, on_step=on_step)
     finally:
         bar.close()
     cid = candidate_id(cfg, round)
