@@ -201,11 +201,7 @@ class HFBackend:
         next_position = torch.tensor([len(p) for p in prompts], device=device)
 
         sample = params.temperature > 0
-        warpers = LogitsProcessorList()
-        if sample and params.temperature != 1.0:
-            warpers.append(TemperatureLogitsWarper(params.temperature))
-        if sample and params.top_p < 1.0:
-            warpers.append(TopPLogitsWarper(params.top_p))
+        warpers = _warpers(params)
 
         tokens: list[list[int]] = [[] for _ in range(batch)]
         logprobs: list[list[float]] = [[] for _ in range(batch)]
@@ -272,11 +268,7 @@ class HFBackend:
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
 
         sample = params.temperature > 0
-        processors = LogitsProcessorList()
-        if sample and params.temperature != 1.0:
-            processors.append(TemperatureLogitsWarper(params.temperature))
-        if sample and params.top_p < 1.0:
-            processors.append(TopPLogitsWarper(params.top_p))
+        processors = _warpers(params)
         # Warpers are passed in by hand (and disabled in the config) so the recorder runs after them.
         recorder = _SampledLogprobs()
         processors.append(recorder)
@@ -327,6 +319,16 @@ class HFBackend:
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _warpers(params: SamplingParams) -> LogitsProcessorList:
+    """Temperature then top-p, the only warpers applied (temperature 0 = greedy: none)."""
+    warpers = LogitsProcessorList()
+    if params.temperature > 0 and params.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(params.temperature))
+    if params.temperature > 0 and params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    return warpers
 
 
 class _SampledLogprobs(LogitsProcessor):

@@ -48,6 +48,13 @@ def model_path(store: Store, model_id: str) -> str:
     return rows[0][0]
 
 
+def serving_champion(cfg: Config) -> tuple[str, str]:
+    """(model id, checkpoint path) of the run's champion, read from the store's registry."""
+    with open_store(cfg) as store:
+        champion = store.champion(cfg.run.name)
+        return champion, model_path(store, champion)
+
+
 def sampling(cfg: Config, temperature: float, seed: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=cfg.backend.max_new_tokens, temperature=temperature,
                           top_p=cfg.backend.top_p if temperature > 0 else 1.0, seed=seed)

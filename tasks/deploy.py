@@ -9,7 +9,7 @@ from prefect.artifacts import create_image_artifact, create_markdown_artifact
 from prefect.cache_policies import NONE
 
 from configs.schema import Config
-from tasks.common import backend_for, model_path, open_store, run_dir, utcnow
+from tasks.common import backend_for, open_store, run_dir, serving_champion, utcnow
 from tasks.report import png_data_uri, round_rows, write_report
 
 
@@ -17,9 +17,7 @@ from tasks.report import png_data_uri, round_rows, write_report
 def redeploy(cfg: Config, round: int) -> dict:
     started = utcnow()
     run_id = cfg.run.name
-    with open_store(cfg) as store:
-        champion = store.champion(run_id)
-        path = model_path(store, champion)
+    champion, path = serving_champion(cfg)
     backend_for(cfg, path)  # the serving backend now holds the champion's weights
     with open_store(cfg) as store:
         rows = {r["round"]: r for r in round_rows(store, run_id)}

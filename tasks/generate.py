@@ -7,16 +7,14 @@ from prefect.cache_policies import NONE
 
 from configs.schema import Config
 from methods.rollout import Episode
-from tasks.common import backend_for, env_factory, episode_rows, model_path, open_store, play, round_seed, utcnow
+from tasks.common import backend_for, env_factory, episode_rows, open_store, play, round_seed, serving_champion, utcnow
 
 
 @task(name="generate", cache_policy=NONE)
 def generate_rollouts(cfg: Config, round: int) -> dict:
     started = utcnow()
     run_id = cfg.run.name
-    with open_store(cfg) as store:
-        champion = store.champion(run_id)
-        path = model_path(store, champion)
+    champion, path = serving_champion(cfg)
     seed = round_seed(cfg, round)
     env = env_factory(cfg)()
     try:
