@@ -97,8 +97,9 @@ def _fail(ep: Episode, env: Env, exc: BaseException) -> None:
     ep.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"
     try:
         ep.hindsight = env.hindsight()
-    except Exception:  # the env is already broken; the error above is what matters
+    except Exception as hindsight_exc:  # the env is already broken: keep the first error, note this one
         ep.hindsight = []
+        ep.error += f"(hindsight() also failed: {type(hindsight_exc).__name__}: {hindsight_exc})"
 
 
 def run_episodes(

@@ -24,7 +24,7 @@ def train_candidate(cfg: Config, round: int) -> dict:
     from models.sft import train_sft
 
     run_id = cfg.run.name
-    with open_store(cfg, read_only=False) as store:
+    with open_store(cfg) as store:
         champion = store.champion(run_id)
         parent_path = model_path(store, champion)
         examples = [{**r, "train_from": json.loads(r["meta"] or "{}").get("train_from", 0)}
