@@ -1,25 +1,38 @@
-"""rsiflow environments: the `Env` interface and `make_env`, which builds one from a config name."""
+"""rsiflow environments: the `Env` interface and `make_env`, which builds one from a config name.
+
+Built in: "household", "arithmetic", "tooluse" (plain Python) and "scienceworld" (needs the
+optional `scienceworld` package and Java; imported only when asked for). Any other
+"package.module:Class" naming an `Env` subclass works too; `python -m envs.conformance NAME`
+checks that an env honours the interface.
+"""
 
 from __future__ import annotations
 
 from importlib import import_module
 from typing import Any
 
+from envs.arithmetic import ArithmeticEnv
 from envs.base import Env, StepResult, TaskSpec
 from envs.household import HouseholdEnv
+from envs.tooluse import ToolUseEnv
 
-__all__ = ["BUILTIN_ENVS", "Env", "StepResult", "TaskSpec", "make_env"]
+__all__ = ["BUILTIN_ENVS", "LAZY_ENVS", "Env", "StepResult", "TaskSpec", "make_env"]
 
-BUILTIN_ENVS: dict[str, type[Env]] = {"household": HouseholdEnv}
+BUILTIN_ENVS: dict[str, type[Env]] = {"household": HouseholdEnv, "arithmetic": ArithmeticEnv,
+                                      "tooluse": ToolUseEnv}
+# Built-ins with optional dependencies: imported on first use, so the package works without them.
+LAZY_ENVS: dict[str, str] = {"scienceworld": "envs.scienceworld:ScienceWorldEnv"}
 
 
 def make_env(name: str, **kwargs: Any) -> Env:
-    """An env from a built-in name ("household") or a "package.module:Class" naming an Env subclass,
-    constructed with `kwargs`."""
+    """An env from a built-in name ("household", "arithmetic", "tooluse", "scienceworld") or a
+    "package.module:Class" naming an Env subclass, constructed with `kwargs`."""
     if name in BUILTIN_ENVS:
         return BUILTIN_ENVS[name](**kwargs)
+    if name in LAZY_ENVS:
+        name = LAZY_ENVS[name]
     if ":" not in name:
-        raise ValueError(f"unknown env {name!r}: built-in envs are {sorted(BUILTIN_ENVS)}; "
+        raise ValueError(f"unknown env {name!r}: built-in envs are {sorted([*BUILTIN_ENVS, *LAZY_ENVS])}; "
                          "a custom env is named in the form 'package.module:Class'")
     module_name, _, class_name = name.partition(":")
     cls = getattr(import_module(module_name), class_name, None)
