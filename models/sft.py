@@ -43,11 +43,9 @@ def tokenize_conversation(tokenizer, messages: list[dict], train_from: int = 0) 
     return {"input_ids": full, "labels": labels}
 
 
-def build_sft_dataset(tokenizer, examples: list[dict], max_length: int):
+def sft_rows(tokenizer, examples: list[dict], max_length: int) -> tuple[list[dict], int]:
     """examples: dicts with example_id, messages, weight and optionally train_from.
-    Returns (datasets.Dataset, n_dropped_too_long)."""
-    from datasets import Dataset
-
+    Returns (tokenized rows, n_dropped_too_long)."""
     rows, dropped = [], 0
     for ex in examples:
         tok = tokenize_conversation(tokenizer, ex["messages"], int(ex.get("train_from") or 0))
@@ -55,6 +53,15 @@ def build_sft_dataset(tokenizer, examples: list[dict], max_length: int):
             dropped += 1
             continue
         rows.append({**tok, "weight": float(ex.get("weight", 1.0)), "example_id": ex.get("example_id")})
+    return rows, dropped
+
+
+def build_sft_dataset(tokenizer, examples: list[dict], max_length: int):
+    """examples: dicts with example_id, messages, weight and optionally train_from.
+    Returns (datasets.Dataset, n_dropped_too_long)."""
+    from datasets import Dataset
+
+    rows, dropped = sft_rows(tokenizer, examples, max_length)
     return Dataset.from_list(rows), dropped
 
 
@@ -107,23 +114,42 @@ def train_sft(
     seed: int = 0,
     dtype: str = "float32",
     on_step=None,
+    distill_examples: list[dict] | None = None,
+    distill=None,  # models.distill.DistillLoss
 ) -> tuple[dict[str, Any], list]:
-    """Train a candidate from `model_path` on `examples`; save a full checkpoint to `out_dir`.
+    """Train a candidate from `model_path` on `examples` (weighted SFT) and, with `distill_examples`,
+    the privileged-teacher distillation term (models/distill.py) in the same loss; save a full
+    checkpoint to `out_dir`.
 
     Returns (metrics, ids of the examples trained on): examples used/dropped, trained tokens,
-    steps, first/last/mean train loss.
-    With no usable examples the candidate is a copy of the parent (nothing was learned: that is
-    recorded, and the gate still compares it).
+    steps, first/last/mean train loss, and for distillation the examples used, misaligned or too
+    long (dropped), distilled tokens and the distillation loss (first/last/mean over steps).
+    With no usable examples the candidate is a copy of the parent.
     """
+    from datasets import Dataset
+
     model, tokenizer = load_model_and_tokenizer(model_path, dtype=dtype)
-    dataset, dropped = build_sft_dataset(tokenizer, examples, cfg.max_length)
-    metrics: dict[str, Any] = {"examples": len(dataset), "dropped_too_long": dropped, "steps": 0,
-                               "trained_tokens": 0, "train_loss": None}
-    if len(dataset) == 0:
+    rows, dropped = sft_rows(tokenizer, examples, cfg.max_length)
+    metrics: dict[str, Any] = {"examples": len(rows), "dropped_too_long": dropped, "steps": 0,
+                               "trained_tokens": int(sum(sum(lab != -100 for lab in r["labels"]) for r in rows)),
+                               "train_loss": None}
+    distill_rows: list[dict] = []
+    if distill_examples:
+        from models.distill import DistillLoss, build_distill_rows
+
+        distill = distill or DistillLoss()
+        distill_rows, counts = build_distill_rows(tokenizer, distill_examples, cfg.max_length)
+        metrics.update(distill_examples=len(distill_rows), distill_misaligned=counts["misaligned"],
+                       distill_too_long=counts["too_long"], distill_sampled_match=counts["sampled_match"],
+                       distill_tokens=int(sum(len(r["student_pos"]) for r in distill_rows)))
+        for r in rows:  # one schema for the mixed dataset
+            r.update(teacher_input_ids=[], student_pos=[], teacher_pos=[], sampled_logprobs=[], kind=0)
+    all_rows = rows + distill_rows
+    if not all_rows:
         save_checkpoint(model, tokenizer, out_dir)
         return metrics, []
+    dataset = Dataset.from_list(all_rows)
     used_ids = list(dataset["example_id"])
-    metrics["trained_tokens"] = int(sum(sum(l != -100 for l in row) for row in dataset["labels"]))
     use_cpu = not torch.cuda.is_available()
     args = SFTConfig(
         output_dir=str(Path(out_dir).parent / (Path(out_dir).name + ".trainer")),
@@ -131,7 +157,7 @@ def train_sft(
         num_train_epochs=cfg.epochs,
         per_device_train_batch_size=cfg.batch_size,
         gradient_accumulation_steps=cfg.grad_accum,
-        max_length=cfg.max_length,
+        max_length=None,  # rows were length-checked above; TRL must not truncate one side of a pair
         warmup_steps=cfg.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of total steps
         lr_scheduler_type=cfg.lr_scheduler,
         seed=seed,
@@ -151,12 +177,15 @@ def train_sft(
         peft_config = PeftLoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                                      target_modules="all-linear", task_type="CAUSAL_LM")
     model.train()
-    trainer = WeightedSFTTrainer(
-        model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-        data_collator=_WeightCollator(pad_token_id=tokenizer.pad_token_id),
-        peft_config=peft_config,
-        callbacks=[_ProgressCallback(on_step)] if on_step else None,
-    )
+    common = dict(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                  peft_config=peft_config, callbacks=[_ProgressCallback(on_step)] if on_step else None)
+    if distill_rows:
+        from models.distill import DistillCollator, PrivilegedDistillTrainer
+
+        trainer = PrivilegedDistillTrainer(**common, data_collator=DistillCollator(pad_token_id=tokenizer.pad_token_id),
+                                           distill=distill)
+    else:
+        trainer = WeightedSFTTrainer(**common, data_collator=_WeightCollator(pad_token_id=tokenizer.pad_token_id))
     result = trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     trained = trainer.model
@@ -166,6 +195,12 @@ def train_sft(
     save_checkpoint(trained, tokenizer, out_dir)
     metrics.update(steps=int(result.global_step), train_loss=float(result.training_loss),
                    first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None)
+    if distill_rows:
+        dl = [h["distill_loss"] for h in trainer.distill_log]
+        metrics.update(distill_loss_first=dl[0] if dl else None, distill_loss_last=dl[-1] if dl else None,
+                       distill_loss_mean=sum(dl) / len(dl) if dl else None,
+                       is_weight_mean=(sum(h["is_weight_mean"] for h in trainer.distill_log) / len(dl)) if dl else None,
+                       distill_loss_weight=distill.loss_weight, ema_teacher=distill.ema_rate > 0)
     if metrics["train_loss"] is not None and not math.isfinite(metrics["train_loss"]):
         raise RuntimeError(f"training diverged: loss {metrics['train_loss']}")
     return metrics, used_ids
