@@ -1,0 +1,476 @@
+"""Compare configs ("arms") over seeds and rounds in one run: one table, one plot.
+
+    python -m bench.compare --config configs/default.yaml [--config overlay.yaml] \\
+        --arm exit --arm "srd:distill.methods=[exit,srd],train.epochs=2" \\
+        --seeds 0,1,2 --rounds 3 [--set key=val ...] --out bench/results/<name>
+    python -m bench.compare --out bench/results/<name> --report-only
+
+An arm is `NAME[:KEY=VAL,KEY=VAL...]`: the overrides that make it differ from the common config.
+Commas inside brackets, braces or quotes belong to the value (`distill.methods=[exit,srd]` is one
+override); `;` also separates overrides. `--set` overrides apply to every arm (the arm's own win).
+
+Each (arm, seed) is one run named `<arm>-s<seed>`, executed one at a time as a subprocess
+`rsiflow run --config ... --set ...` with run.seed=<seed>, run.rounds=<rounds>,
+run.store=<out>/compare.duckdb and run.run_dir=<out>/runs/{name} (one store for all: DuckDB
+allows one writer, so runs go one after another, and each subprocess frees its memory). Logs go
+to <out>/logs/<run>.log. Running the same command again skips runs the store already has with
+all their rounds and resumes unfinished ones (`rsiflow run` continues a run by name).
+
+Then the store is read (read-only) and written as
+- <out>/table.md, <out>/table.csv: per arm and round (round 0 = the base model): the serving
+  champion's held-out success per seed (k/n), pooled over seeds with a Wilson interval, and the
+  mean over seeds; the candidate's held-out success where one was trained; gate decisions;
+  training-rollout success and generated tokens per success; the round's wall time; and every
+  scalar in the round's `metrics` JSON (rounds table), averaged over seeds.
+- <out>/runs.csv: the same per (arm, seed, round), unaggregated.
+- <out>/success.png: held-out success per round, one line per arm (mean over seeds) with the
+  pooled interval as a band.
+
+Held-out tasks come from gate.seed, which is the same for every seed unless --heldout-per-seed:
+then the arms are compared on the same tasks (paired), but the pooled interval treats the
+seeds' repeats of a task as independent and is narrower than the task sample justifies.
+With --heldout-per-seed each seed plays its own held-out sample (gate.seed + seed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+@dataclass
+class Arm:
+    name: str
+    overrides: list[str] = field(default_factory=list)
+
+
+def split_overrides(text: str) -> list[str]:
+    """Split `a=1,b=[x,y];c='p,q'` on top-level commas and semicolons (not inside [] {} () or quotes)."""
+    parts, buf, depth, quote = [], [], 0, None
+    for ch in text:
+        if quote:
+            buf.append(ch)
+            if ch == quote:
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+            buf.append(ch)
+        elif ch in "[{(":
+            depth += 1
+            buf.append(ch)
+        elif ch in "]})":
+            depth -= 1
+            buf.append(ch)
+        elif ch in ",;" and depth <= 0:
+            parts.append("".join(buf))
+            buf = []
+        else:
+            buf.append(ch)
+    if quote or depth:
+        raise ValueError(f"unbalanced brackets or quotes in arm overrides {text!r}")
+    parts.append("".join(buf))
+    parts = [p.strip() for p in parts if p.strip()]
+    for p in parts:
+        if "=" not in p:
+            raise ValueError(f"arm override {p!r} in {text!r}: expected KEY.PATH=VALUE")
+    return parts
+
+
+def parse_arm(text: str) -> Arm:
+    name, _, rest = text.partition(":")
+    name = name.strip()
+    if not NAME_RE.match(name):
+        raise ValueError(f"arm name {name!r}: use letters, digits, '_', '.' or '-'")
+    return Arm(name, split_overrides(rest) if rest.strip() else [])
+
+
+def run_name(arm: str, seed: int) -> str:
+    return f"{arm}-s{seed}"
+
+
+# ---- running -----------------------------------------------------------------------------
+
+def _completed_rounds(store_path: Path, run_id: str) -> int:
+    if not store_path.exists():
+        return -1
+    from stores.store import Store
+
+    with Store(store_path, read_only=True) as store:
+        return store.last_completed_round(run_id)
+
+
+def run_overrides(args, arm: Arm, seed: int, out: Path) -> list[str]:
+    own = [f"run.name={run_name(arm.name, seed)}", f"run.seed={seed}", f"run.rounds={args.rounds}",
+           f"run.store={out / 'compare.duckdb'}", f"run.run_dir={out / 'runs'}/{{name}}"]
+    if args.heldout_per_seed:
+        from configs.schema import load_config
+
+        base = load_config(args.config, list(args.set) + arm.overrides)
+        own.append(f"gate.seed={base.gate.seed + seed}")
+    return list(args.set) + arm.overrides + own
+
+
+def run_all(args, arms: list[Arm], seeds: list[int], out: Path) -> list[str]:
+    """Run every (arm, seed) not yet complete, one at a time; return the names that failed."""
+    store = out / "compare.duckdb"
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    failed = []
+    todo = [(a, s) for a in arms for s in seeds]
+    for i, (arm, seed) in enumerate(todo, 1):
+        name = run_name(arm.name, seed)
+        done = _completed_rounds(store, name)
+        if done >= args.rounds:
+            print(f"[{i}/{len(todo)}] {name}: {done} round(s) already in the store, skipped", flush=True)
+            continue
+        cmd = [sys.executable, "-m", "flows.cli", "run"]
+        for c in args.config:
+            cmd += ["--config", c]
+        for o in run_overrides(args, arm, seed, out):
+            cmd += ["--set", o]
+        log = logs / f"{name}.log"
+        print(f"[{i}/{len(todo)}] {name}: running (log {log}) ...", flush=True)
+        t0 = time.perf_counter()
+        with open(log, "a") as f:
+            f.write("$ " + " ".join(cmd) + "\n")
+            f.flush()
+            rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True).returncode
+        dt = time.perf_counter() - t0
+        if rc != 0:
+            failed.append(name)
+            tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
+            print(f"    {name}: FAILED (exit {rc}) after {dt:.0f} s; last lines of {log}:\n{tail}", flush=True)
+        else:
+            print(f"    {name}: done in {dt:.0f} s", flush=True)
+    return failed
+
+
+# ---- reading the store -------------------------------------------------------------------
+
+_SHOWN = {"round", "champion_before", "champion_after", "champion_heldout", "candidate_heldout", "decision",
+          "train_success", "step_seconds"}
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        elif v is None or isinstance(v, (bool, int, float, str)):
+            out[key] = v
+    return out
+
+
+def run_rows(store, run_id: str) -> list[dict]:
+    """Per round of one run (round 0 = the base): what the table aggregates."""
+    from tasks.common import fetch_dicts
+    from tasks.report import heldout_series, round_rows
+
+    rows = round_rows(store, run_id)
+    if not rows:
+        return []
+    serving = heldout_series(rows)
+    rounds = {r["round"]: r for r in fetch_dicts(
+        store, "SELECT round, status, epoch(finished_at - started_at) AS wall_s, CAST(metrics AS VARCHAR) AS metrics"
+        " FROM rounds WHERE run_id = ?", [run_id])}
+    gen = {r["round"]: r for r in fetch_dicts(
+        store, "SELECT round, count(*) AS episodes, count(*) FILTER (WHERE success) AS successes,"
+        " coalesce(sum(gen_tokens), 0) AS gen_tokens FROM trajectories"
+        " WHERE run_id = ? AND step = 'generate' GROUP BY round", [run_id])}
+    out = [{"round": 0, "serving": serving[0][1], "candidate": None, "decision": None}]
+    for r, (_, served) in zip(rows, serving[1:]):
+        meta = rounds.get(r["round"], {})
+        metrics = json.loads(meta["metrics"]) if meta.get("metrics") else r
+        g = gen.get(r["round"], {})
+        out.append({
+            "round": r["round"], "serving": served, "candidate": r["candidate_heldout"], "decision": r["decision"],
+            "train_episodes": g.get("episodes", 0), "train_successes": g.get("successes", 0),
+            "gen_tokens": int(g.get("gen_tokens", 0)),
+            "wall_s": _round(float(meta["wall_s"])) if meta.get("wall_s") is not None and meta.get("status") == "completed" else None,
+            "steps_s": _round(sum(r["step_seconds"].values())),
+            "step_seconds": r["step_seconds"],
+            "extras": {k: v for k, v in _flatten({k: v for k, v in metrics.items() if k not in _SHOWN}).items()},
+        })
+    return out
+
+
+def collect(store_path: Path, arms: list[str], seeds: list[int]) -> dict[tuple[str, int], list[dict]]:
+    from stores.store import Store
+
+    data = {}
+    with Store(store_path, read_only=True) as store:
+        for arm in arms:
+            for seed in seeds:
+                data[(arm, seed)] = run_rows(store, run_name(arm, seed))
+    return data
+
+
+# ---- aggregating and writing --------------------------------------------------------------
+
+def _pool(hs: list[dict | None], confidence: float = 0.95) -> dict | None:
+    from methods.stats import wilson_interval
+
+    hs = [h for h in hs if h]
+    if not hs:
+        return None
+    k, n = sum(int(h["successes"]) for h in hs), sum(int(h["n"]) for h in hs)
+    lo, hi = wilson_interval(k, n, confidence)
+    return {"k": k, "n": n, "rate": k / n if n else float("nan"), "ci_low": lo, "ci_high": hi,
+            "mean": sum(h["success_rate"] for h in hs) / len(hs), "seeds": len(hs)}
+
+
+def _round(x, nd=2):
+    return None if x is None else round(x, nd)
+
+
+def _mean(xs):
+    xs = [x for x in xs if isinstance(x, (int, float)) and not isinstance(x, bool) and x is not None
+          and not (isinstance(x, float) and math.isnan(x))]
+    return sum(xs) / len(xs) if xs else None
+
+
+def aggregate(data: dict, arms: list[str], seeds: list[int]) -> tuple[list[dict], list[str]]:
+    """One dict per (arm, round) with pooled/mean figures; and the extra metric keys, in first-seen order."""
+    extra_keys: list[str] = []
+    for rows in data.values():
+        for r in rows:
+            for k in r.get("extras", {}):
+                if k not in extra_keys:
+                    extra_keys.append(k)
+    table = []
+    for arm in arms:
+        n_rounds = max((len(data[(arm, s)]) for s in seeds), default=0)
+        for i in range(n_rounds):
+            per = [(s, data[(arm, s)][i]) for s in seeds if i < len(data[(arm, s)])]
+            rows = [r for _, r in per]
+            rnd = rows[0]["round"]
+            serving = _pool([r["serving"] for r in rows])
+            cand = _pool([r["candidate"] for r in rows])
+            decisions = [r["decision"] for r in rows if r["decision"]]
+            agg = {
+                "arm": arm, "round": rnd, "seeds": len(rows),
+                "serving_per_seed": {s: (f"{int(r['serving']['successes'])}/{int(r['serving']['n'])}" if r["serving"] else None)
+                                     for s, r in per},
+                "serving": serving, "candidate": cand,
+                "decisions": {d: decisions.count(d) for d in dict.fromkeys(decisions)},
+                "train_episodes": sum(r.get("train_episodes", 0) for r in rows),
+                "train_successes": sum(r.get("train_successes", 0) for r in rows),
+                "gen_tokens": sum(r.get("gen_tokens", 0) for r in rows),
+                "wall_s": _round(_mean([r.get("wall_s") for r in rows])),
+                "steps_s": _round(_mean([r.get("steps_s") for r in rows])),
+                "extras": {},
+            }
+            for k in extra_keys:
+                vals = [r.get("extras", {}).get(k) for r in rows]
+                m = _mean(vals)
+                if m is None:
+                    strs = sorted({str(v) for v in vals if v is not None})
+                    m = "/".join(strs) if strs else None
+                agg["extras"][k] = m
+            table.append(agg)
+    return table, extra_keys
+
+
+def _f(x, fmt=".3f", none="-"):
+    if x is None:
+        return none
+    if isinstance(x, float):
+        return str(int(x)) if x.is_integer() and abs(x) < 1e15 else format(x, fmt)
+    return str(x)
+
+
+def _tps(row) -> float | None:
+    return row["gen_tokens"] / row["train_successes"] if row["train_successes"] else None
+
+
+def _pooled_text(p: dict | None) -> str:
+    if not p:
+        return "-"
+    return f"{p['k']}/{p['n']} = {p['rate']:.3f} [{p['ci_low']:.3f}, {p['ci_high']:.3f}]"
+
+
+def markdown(table: list[dict], extra_keys: list[str], title: str, note: str) -> str:
+    head = ["arm", "round", "held-out per seed", "held-out pooled [95% CI]", "mean", "candidate pooled [95% CI]",
+            "gate", "train success", "tokens/success", "wall s", *extra_keys]
+    lines = [f"# {title}", "", note, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in table:
+        per = " ".join(v or "-" for v in r["serving_per_seed"].values())
+        dec = ", ".join(f"{d}×{c}" for d, c in r["decisions"].items()) or "-"
+        ts = (f"{r['train_successes']}/{r['train_episodes']}" if r["train_episodes"] else "-")
+        tps = _tps(r)
+        cells = [r["arm"], str(r["round"]), per, _pooled_text(r["serving"]),
+                 _f(r["serving"]["mean"]) if r["serving"] else "-", _pooled_text(r["candidate"]), dec, ts,
+                 f"{tps:.0f}" if tps is not None else ("∞" if r["train_episodes"] else "-"),
+                 _f(r["wall_s"], ".0f"), *[_f(r["extras"].get(k)) for k in extra_keys]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_csv(table: list[dict], extra_keys: list[str], path: Path) -> None:
+    cols = ["arm", "round", "seeds", "heldout_per_seed", "heldout_k", "heldout_n", "heldout_rate", "heldout_ci_low",
+            "heldout_ci_high", "heldout_mean", "candidate_k", "candidate_n", "candidate_rate", "candidate_ci_low",
+            "candidate_ci_high", "decisions", "train_episodes", "train_successes", "gen_tokens",
+            "tokens_per_success", "wall_s_mean", "steps_s_mean", *extra_keys]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        for r in table:
+            s, c = r["serving"] or {}, r["candidate"] or {}
+            w.writerow([r["arm"], r["round"], r["seeds"],
+                        ";".join(f"s{k}:{v}" for k, v in r["serving_per_seed"].items() if v),
+                        s.get("k"), s.get("n"), s.get("rate"), s.get("ci_low"), s.get("ci_high"), s.get("mean"),
+                        c.get("k"), c.get("n"), c.get("rate"), c.get("ci_low"), c.get("ci_high"),
+                        ";".join(f"{d}:{n}" for d, n in r["decisions"].items()),
+                        r["train_episodes"], r["train_successes"], r["gen_tokens"], _tps(r),
+                        r["wall_s"], r["steps_s"], *[r["extras"].get(k) for k in extra_keys]])
+
+
+def write_runs_csv(data: dict, extra_keys: list[str], path: Path) -> None:
+    cols = ["arm", "seed", "round", "heldout_k", "heldout_n", "candidate_k", "candidate_n", "decision",
+            "train_episodes", "train_successes", "gen_tokens", "wall_s", "steps_s", "step_seconds", *extra_keys]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        for (arm, seed), rows in data.items():
+            for r in rows:
+                s, c = r["serving"] or {}, r["candidate"] or {}
+                w.writerow([arm, seed, r["round"], s.get("successes"), s.get("n"), c.get("successes"), c.get("n"),
+                            r["decision"], r.get("train_episodes"), r.get("train_successes"), r.get("gen_tokens"),
+                            r.get("wall_s"), r.get("steps_s"), json.dumps(r.get("step_seconds")) if r["round"] else None,
+                            *[r.get("extras", {}).get(k) for k in extra_keys]])
+
+
+def plot(table: list[dict], arms: list[str], path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4), dpi=100)
+    for i, arm in enumerate(arms):
+        rows = [r for r in table if r["arm"] == arm and r["serving"]]
+        if not rows:
+            continue
+        xs = [r["round"] + (i - (len(arms) - 1) / 2) * 0.03 for r in rows]  # a small dodge: bands overlap
+        ys = [r["serving"]["mean"] for r in rows]
+        line, = ax.plot(xs, ys, marker="o", label=f"{arm} (n={rows[0]['seeds']} seeds)")
+        ax.fill_between(xs, [r["serving"]["ci_low"] for r in rows], [r["serving"]["ci_high"] for r in rows],
+                        color=line.get_color(), alpha=0.15, linewidth=0)
+    rounds = sorted({r["round"] for r in table})
+    ax.set_xticks(rounds, ["base" if r == 0 else str(r) for r in rounds])
+    ax.set_xlabel("round")
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("held-out success of the serving model")
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def report(out: Path, arms: list[str], seeds: list[int]) -> str:
+    store = out / "compare.duckdb"
+    if not store.exists():
+        sys.exit(f"bench.compare: no store at {store}")
+    data = collect(store, arms, seeds)
+    table, extra_keys = aggregate(data, arms, seeds)
+    title = f"bench.compare: {', '.join(arms)} × seeds {','.join(map(str, seeds))}"
+    note = ("held-out: the serving model (round 0 = base; then the champion after each round's gate), greedy; "
+            "per seed k/n, pooled over seeds with a 95% Wilson interval, mean over seeds. candidate: the round's "
+            "trained candidate. train success / tokens per success: the round's training rollouts (generated tokens "
+            "/ successes, pooled). wall s: the round's wall time (rounds table), mean over seeds. Further columns: "
+            "the round's metrics JSON, mean over seeds.")
+    md = markdown(table, extra_keys, title, note)
+    (out / "table.md").write_text(md)
+    write_csv(table, extra_keys, out / "table.csv")
+    write_runs_csv(data, extra_keys, out / "runs.csv")
+    plot(table, arms, out / "success.png", title)
+    return md
+
+
+def _manifest(out: Path) -> dict | None:
+    p = out / "compare.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--config", action="append", metavar="FILE", help="YAML config; repeat to overlay")
+    ap.add_argument("--arm", action="append", default=[], metavar="NAME[:K=V,K=V]",
+                    help="an arm: a name and its overrides (repeatable)")
+    ap.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds per run (default: run.rounds of the config)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every arm")
+    ap.add_argument("--out", required=True, help="output folder (store, logs, table, plot)")
+    ap.add_argument("--heldout-per-seed", action="store_true",
+                    help="gate.seed + seed: each seed plays its own held-out sample (see the notes)")
+    ap.add_argument("--report-only", action="store_true", help="rebuild table and plot from the store; run nothing")
+    args = ap.parse_args(argv)
+    os.chdir(REPO)  # config paths and `runs/...` defaults resolve against the repository, as for rsiflow
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        arms = [parse_arm(a) for a in args.arm]
+    except ValueError as e:
+        sys.exit(f"bench.compare: {e}")
+    if len({a.name for a in arms}) != len(arms):
+        sys.exit("bench.compare: arm names must be distinct")
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    manifest = _manifest(out)
+
+    if args.report_only:
+        if not arms:
+            if manifest is None:
+                sys.exit(f"bench.compare: no --arm given and no {out / 'compare.json'} to read them from")
+            arm_names, seeds = [a["name"] for a in manifest["arms"]], manifest["seeds"]
+        else:
+            arm_names = [a.name for a in arms]
+        print(report(out, arm_names, seeds))
+        return
+
+    if not arms:
+        sys.exit("bench.compare: give at least one --arm NAME[:overrides]")
+    args.config = [str(Path(c).resolve()) for c in (args.config or ["configs/default.yaml"])]
+    from configs.schema import ConfigError, load_config
+
+    try:
+        for arm in arms:  # fail before any run on a bad key, naming the arm
+            cfg = load_config(args.config, list(args.set) + arm.overrides)
+    except ConfigError as e:
+        sys.exit(f"bench.compare: arm {arm.name!r}: {e}")
+    if args.rounds is None:
+        args.rounds = cfg.run.rounds
+    (out / "compare.json").write_text(json.dumps({
+        "config": args.config, "set": args.set, "arms": [a.__dict__ for a in arms], "seeds": seeds,
+        "rounds": args.rounds, "heldout_per_seed": args.heldout_per_seed}, indent=1))
+    t0 = time.perf_counter()
+    failed = run_all(args, arms, seeds, out)
+    md = report(out, [a.name for a in arms], seeds)
+    print(md)
+    print(f"table: {out / 'table.md'}  {out / 'table.csv'}  {out / 'runs.csv'}\nplot:  {out / 'success.png'}")
+    print(f"bench.compare: {len(arms)} arm(s) × {len(seeds)} seed(s) × {args.rounds} round(s) in "
+          f"{time.perf_counter() - t0:.0f} s")
+    if failed:
+        sys.exit(f"bench.compare: {len(failed)} run(s) failed: {', '.join(failed)} (see {out / 'logs'})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""bench.compare: arm parsing, pooling, and a tiny 2 arms × 2 seeds × 1 round run checked against its store."""
+
+import csv
+import os
+import subprocess
+import sys
+import time
+
+import duckdb
+import pytest
+
+from bench.compare import aggregate, markdown, parse_arm, split_overrides
+from tests.conftest import REPO, TINY
+
+
+def test_arm_overrides_keep_brackets_and_quotes_together():
+    assert split_overrides("distill.methods=[exit,srd],train.epochs=2") == ["distill.methods=[exit,srd]", "train.epochs=2"]
+    assert split_overrides("a.b={x: 1, y: 2}; c.d='p,q'") == ["a.b={x: 1, y: 2}", "c.d='p,q'"]
+    assert parse_arm("exit") .overrides == []
+    arm = parse_arm("srd:distill.methods=[exit,srd]")
+    assert (arm.name, arm.overrides) == ("srd", ["distill.methods=[exit,srd]"])
+    with pytest.raises(ValueError):
+        split_overrides("distill.methods=[exit,srd")
+    with pytest.raises(ValueError):
+        parse_arm("x:train.epochs")
+
+
+def _h(k, n):
+    return {"successes": k, "n": n, "success_rate": k / n}
+
+
+def test_pooling_over_seeds():
+    data = {
+        ("a", 0): [{"round": 0, "serving": _h(1, 10), "candidate": None, "decision": None},
+                   {"round": 1, "serving": _h(3, 10), "candidate": _h(3, 10), "decision": "promote",
+                    "train_episodes": 8, "train_successes": 2, "gen_tokens": 100, "wall_s": 10.0, "steps_s": 9.0,
+                    "extras": {"examples": 2, "srd.loss": 0.5}}],
+        ("a", 1): [{"round": 0, "serving": _h(1, 10), "candidate": None, "decision": None},
+                   {"round": 1, "serving": _h(1, 10), "candidate": _h(0, 10), "decision": "reject",
+                    "train_episodes": 8, "train_successes": 2, "gen_tokens": 60, "wall_s": 20.0, "steps_s": 19.0,
+                    "extras": {"examples": 4}}],
+    }
+    table, keys = aggregate(data, ["a"], [0, 1])
+    assert keys == ["examples", "srd.loss"]
+    r1 = table[1]
+    assert (r1["serving"]["k"], r1["serving"]["n"], r1["serving"]["mean"]) == (4, 20, 0.2)
+    assert (r1["candidate"]["k"], r1["candidate"]["n"]) == (3, 20)
+    assert 0.08 < r1["serving"]["ci_low"] < 0.2 < r1["serving"]["ci_high"] < 0.45
+    assert r1["decisions"] == {"promote": 1, "reject": 1}
+    assert (r1["train_successes"], r1["gen_tokens"], r1["wall_s"]) == (4, 160, 15.0)
+    assert r1["extras"] == {"examples": 3.0, "srd.loss": 0.5}
+    md = markdown(table, keys, "t", "n")
+    assert "| a | 1 | 3/10 1/10 | 4/20 = 0.200 [" in md and "promote×1, reject×1" in md and "| 40 |" in md
+
+
+@pytest.mark.slow
+def test_compare_runs_arms_and_seeds_on_tiny(tmp_path):
+    out = tmp_path / "cmp"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONPATH": str(REPO)}
+    env.pop("PREFECT_API_URL", None)
+    cmd = [sys.executable, "-m", "bench.compare", "--config", TINY, "--arm", "a", "--arm", "b:train.learning_rate=1e-4",
+           "--seeds", "0,1", "--rounds", "1", "--set", "gate.heldout_tasks=4", "--out", str(out)]
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "| arm | round |" in res.stdout
+    for f in ("table.md", "table.csv", "runs.csv", "compare.duckdb"):
+        assert (out / f).exists()
+    assert (out / "success.png").read_bytes()[:4] == b"\x89PNG"
+
+    rows = list(csv.DictReader(open(out / "table.csv")))
+    assert [(r["arm"], r["round"]) for r in rows] == [("a", "0"), ("a", "1"), ("b", "0"), ("b", "1")]
+    con = duckdb.connect(str(out / "compare.duckdb"), read_only=True)
+    q = lambda sql, *p: con.execute(sql, list(p)).fetchall()
+    assert sorted(r for (r,) in q("SELECT run_id FROM runs")) == ["a-s0", "a-s1", "b-s0", "b-s1"]
+    assert q("SELECT DISTINCT config->'$.run'->>'seed' FROM runs WHERE run_id LIKE '%-s1'") == [("1",)]
+    assert q("SELECT DISTINCT config->'$.train'->>'learning_rate' FROM runs WHERE run_id LIKE 'b-%'") == [("0.0001",)]
+    for r in rows:
+        runs = [f"{r['arm']}-s0", f"{r['arm']}-s1"]
+        if r["round"] == "0":   # the base's held-out evaluation
+            (k, n), = q("SELECT sum(successes), sum(n) FROM evaluations WHERE split = 'heldout' AND task_type = '*'"
+                        " AND model_id IN (?, ?)", *[f"{x}/base" for x in runs])
+            assert (int(r["heldout_k"]), int(r["heldout_n"])) == (k, n) and n == 8
+            continue
+        (eps, succ, toks), = q("SELECT count(*), count(*) FILTER (WHERE success), sum(gen_tokens) FROM trajectories"
+                               " WHERE step = 'generate' AND round = 1 AND run_id IN (?, ?)", *runs)
+        assert (int(r["train_episodes"]), int(r["train_successes"]), int(r["gen_tokens"])) == (eps, succ, toks)
+        decisions = q("SELECT decision, count(*) FROM gate_decisions WHERE round = 1 AND run_id IN (?, ?)"
+                      " GROUP BY decision ORDER BY decision", *runs)
+        assert r["decisions"] == ";".join(f"{d}:{c}" for d, c in decisions)
+        (wall,), = q("SELECT avg(epoch(finished_at - started_at)) FROM rounds WHERE round = 1 AND run_id IN (?, ?)", *runs)
+        assert float(r["wall_s_mean"]) == pytest.approx(wall, abs=0.01)
+        assert r["examples"] != ""   # a key of the rounds' metrics JSON, flattened into a column
+    con.close()
+
+    # the same command again: every run is complete, nothing runs; --report-only rebuilds the table
+    t0 = time.time()
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and again.stdout.count("skipped") == 4 and time.time() - t0 < 30
+    (out / "table.csv").unlink()
+    rep = subprocess.run([sys.executable, "-m", "bench.compare", "--out", str(out), "--report-only"], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert rep.returncode == 0, rep.stderr
+    assert list(csv.DictReader(open(out / "table.csv"))) == rows
