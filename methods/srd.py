@@ -118,17 +118,40 @@ def _feedback_text(a: Attempt, max_items: int = 3) -> str:
     return "\n".join(items) or "(none)"
 
 
-def pitfall_note_messages(a: Attempt) -> list[dict]:
-    """The pitfall-note prompt (SRD step 2): task, failed attempt, privileged truth, failure kind, feedback."""
-    user = (f"Task:\n{a.task_text.strip()}\n\n"
-            f"The agent's failed attempt:\n{_attempt_text(a)}\n\n"
-            f"Failure kind: {failure_kind(a)}\n\n"
-            f"Env feedback:\n{_feedback_text(a)}\n\n"
+def _pitfall_request(task: str, attempt: str, kind: str, feedback: str, facts: list[str]) -> str:
+    return (f"Task:\n{task.strip()}\n\n"
+            f"The agent's failed attempt:\n{attempt}\n\n"
+            f"Failure kind: {kind}\n\n"
+            f"Env feedback:\n{feedback}\n\n"
             "What really was the case (privileged, revealed after the episode):\n"
-            + "\n".join(f"- {h}" for h in a.hindsight) + "\n\n"
+            + "\n".join(f"- {h}" for h in facts) + "\n\n"
             "Write 1-3 pitfall notes for a future attempt at tasks like this one. Each note is three lines:\n"
             "Error: <what went wrong>\nRule: <the general rule that avoids it>\nExample: <one correct action>")
-    return [{"role": "system", "content": _NOTE_SYSTEM}, {"role": "user", "content": user}]
+
+
+# One worked exchange shown before the real request (few-shot), so that small policies answer in
+# the note format at all. Its task is deliberately unlike any built-in env's.
+_PITFALL_DEMO = (
+    _pitfall_request("You are in a workshop. You see a toolbox 1 and a bench 1.\nYour task is to: put a sharp saw on bench 1.",
+                     "1. go to bench 1\n2. put saw 1 in/on bench 1  [inadmissible]\n3. look", "invalid_action",
+                     '"put saw 1 in/on bench 1" -> You are not carrying saw 1.',
+                     ["saw 1 was in toolbox 1 (closed) at the start.", "The saw must be sharpened with grinder 1 first."]),
+    "Error: I tried to put the saw down without holding it.\nRule: find and take the object before placing it; "
+    "open closed containers to find it.\nExample: open toolbox 1\n\n"
+    "Error: the saw was never sharpened.\nRule: do every step the task names (sharpen) before placing.\n"
+    "Example: sharpen saw 1 with grinder 1",
+)
+
+
+def pitfall_note_messages(a: Attempt, few_shot: bool = True) -> list[dict]:
+    """The pitfall-note prompt (SRD step 2): task, failed attempt, privileged truth, failure kind, feedback;
+    with `few_shot`, one worked example exchange first."""
+    msgs = [{"role": "system", "content": _NOTE_SYSTEM}]
+    if few_shot:
+        msgs += [{"role": "user", "content": _PITFALL_DEMO[0]}, {"role": "assistant", "content": _PITFALL_DEMO[1]}]
+    msgs.append({"role": "user", "content": _pitfall_request(a.task_text, _attempt_text(a), failure_kind(a),
+                                                              _feedback_text(a), a.hindsight)})
+    return msgs
 
 
 def knowledge_note_messages(a: Attempt) -> list[dict]:
@@ -165,25 +188,39 @@ def template_note(a: Attempt, channel: str = "pitfall") -> str:
     return f"Error: {error}\nRule: {' '.join(rules[:3]) or 'check the task statement before acting.'}\nExample: {example}"
 
 
+_LABELS = {"pitfall": ("error", "rule", "example"), "knowledge": ("knowledge", "rule", "details")}
 _BLOCK_START = re.compile(r"^\s*(?:\d+[.)]\s*|[-*]\s*)?(Error|Knowledge)\s*:", re.IGNORECASE | re.MULTILINE)
 
 
 def clean_note(text: str, channel: str = "pitfall", max_blocks: int = 3, max_chars: int = 800) -> tuple[str, bool]:
-    """(cleaned text, usable). A note is usable when it has at least one block that starts with
-    'Error:' (pitfall) or 'Knowledge:' (knowledge) and says something after it; at most `max_blocks`
-    blocks are kept. Unusable notes are stored and counted, never given to the teacher."""
+    """(cleaned text, usable). A block starts at 'Error:' (pitfall) or 'Knowledge:' (knowledge) and
+    keeps its labelled lines (Error/Rule/Example, or Knowledge/Rule/Details) up to the first line with
+    another label; repeated blocks are dropped; at most `max_blocks` are kept. A note is usable when
+    one block is left. Unusable notes are stored and counted, never given to the teacher."""
     text = text.replace("\r", "").strip()
     key = "error" if channel == "pitfall" else "knowledge"
     starts = [m for m in _BLOCK_START.finditer(text) if m.group(1).lower() == key]
     if not starts:
         return text[:max_chars], False
-    blocks = []
-    for i, m in enumerate(starts[:max_blocks]):
+    labels = _LABELS[channel]
+    blocks: list[str] = []
+    for i, m in enumerate(starts):
         end = starts[i + 1].start() if i + 1 < len(starts) else len(text)
-        block = text[m.start():end].strip()
-        body = block.split(":", 1)[1].strip()
-        if len(body) >= 3:
-            blocks.append(block)
+        kept = []
+        for line in text[m.start():end].strip().splitlines():
+            head, sep, body = line.strip().lstrip("-*0123456789.) ").partition(":")
+            if not sep:
+                if kept and line.strip():
+                    kept[-1] += " " + line.strip()  # a wrapped line of the field above
+                continue
+            if head.strip().lower() not in labels:
+                break  # the writer ran on into something else ("Failure kind: ...")
+            if body.strip():
+                kept.append(f"{head.strip().capitalize()}: {body.strip()}")
+        if kept and kept[0].lower().startswith(key) and kept not in [b.splitlines() for b in blocks]:
+            blocks.append("\n".join(kept))
+        if len(blocks) == max_blocks:
+            break
     cleaned = "\n\n".join(blocks)[:max_chars]
     return cleaned, bool(blocks)
 
@@ -195,7 +232,9 @@ def foresight_student(instructions: str, task_text: str) -> list[dict]:
 
 
 def privileged_block(notes: list[str]) -> str:
-    return PRIVILEGED_HEADER + "\n" + "\n\n".join(n.strip() for n in notes if n.strip())
+    """The teacher's extra text: the header and the notes, each distinct note once."""
+    distinct = list(dict.fromkeys(n.strip() for n in notes if n.strip()))
+    return PRIVILEGED_HEADER + "\n" + "\n\n".join(distinct)
 
 
 def with_privileged(messages: list[dict], user_index: int, privileged: str) -> list[dict]:

@@ -179,9 +179,52 @@ CREATE INDEX evaluations_model_id ON evaluations (model_id);
 CREATE INDEX gate_decisions_run_round ON gate_decisions (run_id, round);
 """
 
+SRD_TABLES = """
+-- SRD hindsight notes: one per trajectory that got a note (pitfall: failures; knowledge: successes).
+CREATE TABLE notes (
+    note_id       VARCHAR,
+    run_id        VARCHAR,
+    round         INTEGER,
+    step          VARCHAR,
+    traj_id       VARCHAR,      -- the trajectory the note was written from
+    group_id      VARCHAR,
+    task_id       VARCHAR,
+    channel       VARCHAR CHECK (channel IN ('pitfall', 'knowledge')),
+    writer        VARCHAR CHECK (writer IN ('policy', 'template')),
+    model_id      VARCHAR,      -- the policy that wrote it (NULL for the template writer)
+    failure_kind  VARCHAR,
+    prompt        JSON,         -- the messages the writer was given
+    text          VARCHAR,      -- the note as kept (cleaned)
+    raw_text      VARCHAR,      -- what the writer produced
+    n_tokens      INTEGER,
+    usable        BOOLEAN       -- has at least one Error:/Knowledge: block; only usable notes reach a teacher
+);
+
+-- Teacher/student pairs for privileged-teacher distillation (SRD's foresight channel, the action channel).
+CREATE TABLE foresight (
+    foresight_id      VARCHAR,
+    run_id            VARCHAR,
+    round             INTEGER,
+    step              VARCHAR,
+    group_id          VARCHAR,
+    task_id           VARCHAR,
+    channel           VARCHAR,      -- pitfall | knowledge | action
+    source_traj_id    VARCHAR,      -- action channel: the episode scored
+    note_ids          VARCHAR[],    -- the notes in the teacher's prompt
+    student_messages  JSON,         -- the student's conversation incl. the completion
+    teacher_messages  JSON,         -- the same with the privileged text in a user turn
+    train_from        INTEGER,      -- assistant messages at index >= train_from are the scored completion
+    completion_ids    INTEGER[],    -- foresight channel: the tokens the student sampled
+    sampling_logprobs FLOAT[],
+    model_id          VARCHAR,
+    n_tokens          INTEGER
+);
+"""
+
 # (version, name, sql). Append only.
 MIGRATIONS: list[tuple[int, str, str]] = [
     (1, "initial schema", INITIAL_SCHEMA),
+    (2, "SRD notes and foresight pairs", SRD_TABLES),
 ]
 
 

@@ -24,6 +24,24 @@ def _heldout(store: Store, run_id: str, model_id: str | None) -> dict | None:
     return rows[0] if rows else None
 
 
+def _srd_metrics(store: Store, run_id: str, round: int, train_metrics: dict) -> dict | None:
+    """SRD's per-round figures: notes written (usable), their writer and length, groups that produced
+    a teacher/student pair, foresight samples and length, action-channel pairs, the distillation loss."""
+    notes = fetch_dicts(store, "SELECT count(*) AS notes, count(*) FILTER (WHERE usable) AS usable,"
+                        " avg(n_tokens) AS note_tokens, string_agg(DISTINCT writer, ',') AS writer FROM notes"
+                        " WHERE run_id = ? AND round = ?", [run_id, round])[0]
+    if not notes["notes"]:
+        return None
+    fs = fetch_dicts(store, "SELECT count(DISTINCT group_id) AS groups_with_signal,"
+                     " count(*) FILTER (WHERE channel <> 'action') AS foresight,"
+                     " avg(n_tokens) FILTER (WHERE channel <> 'action') AS foresight_tokens,"
+                     " count(*) FILTER (WHERE channel = 'action') AS action_pairs FROM foresight"
+                     " WHERE run_id = ? AND round = ?", [run_id, round])[0]
+    return {**notes, **fs, "distill_loss": train_metrics.get("distill_loss_mean"),
+            "distill_examples": train_metrics.get("distill_examples"),
+            "misaligned": train_metrics.get("distill_misaligned")}
+
+
 def round_rows(store: Store, run_id: str) -> list[dict]:
     """One dict per round that has a gate decision: what a person wants to see per round."""
     out = []
@@ -45,6 +63,7 @@ def round_rows(store: Store, run_id: str) -> list[dict]:
                              " WHERE run_id = ? AND round = ? AND status = 'completed'", [run_id, r])
         out.append({
             "round": r,
+            "srd": _srd_metrics(store, run_id, r, tm),
             "train_success": sum(bool(g["success"]) for g in gen) / len(gen) if gen else None,
             **{k: counts.get(k) for k in ("all_fail", "all_pass", "mixed")},
             "projected": projected,
@@ -82,6 +101,7 @@ def markdown_table(run_id: str, rows: list[dict]) -> str:
              "| round | train success | groups fail/pass/mixed | projected actions | examples | train loss | "
              "champion held-out | candidate held-out | decision | seconds |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    srd_rows = [r for r in rows if r.get("srd")]
     for r in rows:
         loss = f"{r['train_loss']:.3f}" if r["train_loss"] is not None else "-"
         ts = f"{r['train_success']:.3f}" if r["train_success"] is not None else "-"
@@ -89,6 +109,18 @@ def markdown_table(run_id: str, rows: list[dict]) -> str:
         proj = f"{r['projected']:.2f}" if r["projected"] is not None else "-"
         lines.append(f"| {r['round']} | {ts} | {r['all_fail']}/{r['all_pass']}/{r['mixed']} | {proj} | {r['examples']} | {loss} | "
                      f"{_fmt(r['champion_heldout'])} | {_fmt(r['candidate_heldout'])} | {r['decision']} | {secs:.0f} |")
+    if srd_rows:
+        lines += ["", "SRD per round (notes: written / usable, by which writer; signal: groups that produced a "
+                  "teacher/student pair; D: mean distillation loss over training steps):", "",
+                  "| round | notes (usable) | writer | note tokens | groups with signal | foresight (tokens) | "
+                  "action pairs | D |", "|---|---|---|---|---|---|---|---|"]
+        for r in srd_rows:
+            m = r["srd"]
+            d = f"{m['distill_loss']:.4f}" if m.get("distill_loss") is not None else "-"
+            nt = f"{m['note_tokens']:.0f}" if m.get("note_tokens") is not None else "-"
+            ft = f"{m['foresight_tokens']:.0f}" if m.get("foresight_tokens") is not None else "-"
+            lines.append(f"| {r['round']} | {m['notes']} ({m['usable']}) | {m['writer']} | {nt} | "
+                         f"{m['groups_with_signal']} | {m['foresight']} ({ft}) | {m['action_pairs']} | {d} |")
     lines += ["", "projected actions: share of generated actions that were not admissible and were replaced by the "
               "closest admissible one (`env.project_actions`).", "",
               "Held-out success of the serving model (95% Wilson interval):", ""]

@@ -1,4 +1,5 @@
-"""train: TRL trains a candidate from the champion on the round's examples."""
+"""train: TRL trains a candidate from the champion on the round's examples (SFT rows, plus the
+privileged-teacher distillation pairs of SRD in the same loss)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from configs.schema import Config
-from tasks.common import model_path, open_store, round_seed, run_dir, utcnow
+from tasks.common import fetch_dicts, model_path, open_store, round_seed, run_dir, utcnow
+
+
+def _distill_loss(cfg: Config):
+    from models.distill import DistillLoss
+
+    c = cfg.distill.srd
+    return DistillLoss(loss_weight=c.loss_weight, divergence=c.divergence, beta=c.beta, top_k=c.top_k,
+                       is_clip=c.is_clip, ema_rate=c.ema_rate)
 
 
 def candidate_id(cfg: Config, round: int) -> str:
@@ -27,12 +36,24 @@ def train_candidate(cfg: Config, round: int) -> dict:
     with open_store(cfg) as store:
         champion = store.champion(run_id)
         parent_path = model_path(store, champion)
-        examples = [{**r, "train_from": json.loads(r["meta"] or "{}").get("train_from", 0)}
-                    for r in store.examples_dataset(run_id, round)]
+        rows = [{**r, "train_from": json.loads(r["meta"] or "{}").get("train_from", 0)}
+                for r in store.examples_dataset(run_id, round)]
+        pairs = {f["foresight_id"]: f for f in fetch_dicts(
+            store, "SELECT foresight_id, student_messages, teacher_messages, train_from, completion_ids, sampling_logprobs"
+            " FROM foresight WHERE run_id = ? AND round = ? AND step = 'distill'", [run_id, round])}
+    examples = [r for r in rows if r["method"] != "srd"]
+    distill_examples = []
+    for r in rows:
+        if r["method"] == "srd":
+            f = pairs[json.loads(r["meta"])["foresight_id"]]
+            distill_examples.append({
+                "example_id": r["example_id"], "weight": r["weight"], "train_from": f["train_from"],
+                "student": json.loads(f["student_messages"]), "teacher": json.loads(f["teacher_messages"]),
+                "completion_ids": f["completion_ids"], "sampling_logprobs": f["sampling_logprobs"]})
     out_dir = run_dir(cfg) / "models" / f"round-{round}-candidate"
     if out_dir.exists():  # a rerun after a crash: train again from the champion
         shutil.rmtree(out_dir)
-    if not examples:
+    if not examples and not distill_examples:
         # Nothing to learn from: a candidate would be a copy of the champion. None is trained or
         # registered, and the gate records a 'skip'.
         with open_store(cfg) as store, store.step(run_id, round, "train", started):
@@ -48,7 +69,8 @@ def train_candidate(cfg: Config, round: int) -> dict:
 
     try:
         metrics, used_ids = train_sft(parent_path, examples, out_dir, cfg.train, seed=round_seed(cfg, round, 1),
-                                      dtype=cfg.model.dtype, on_step=on_step)
+                                      dtype=cfg.model.dtype, on_step=on_step, distill_examples=distill_examples,
+                                      distill=_distill_loss(cfg) if distill_examples else None)
     finally:
         bar.close()
     cid = candidate_id(cfg, round)
