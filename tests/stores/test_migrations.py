@@ -16,7 +16,7 @@ def test_migrations_apply_once_and_are_recorded(tmp_path):
         tables = {t for (t,) in store.con.sql("SELECT table_name FROM information_schema.tables").fetchall()}
     assert again == first
     assert {"runs", "rounds", "steps", "models", "tasks", "trajectories", "turns", "examples",
-            "train_inputs", "evaluations", "gate_decisions"} <= tables
+            "train_inputs", "evaluations", "gate_decisions", "notes", "foresight"} <= tables
 
 
 def test_read_only_store_reads_without_migrating(tmp_path):
@@ -29,7 +29,7 @@ def test_read_only_store_reads_without_migrating(tmp_path):
 
 def test_every_step_written_table_is_cleared_by_step(store):
     assert store.step_tables == {"models", "tasks", "trajectories", "turns", "examples",
-                                 "train_inputs", "evaluations", "gate_decisions"}
+                                 "train_inputs", "evaluations", "gate_decisions", "notes", "foresight"}
 
 
 def test_importing_stores_pulls_no_heavy_dependencies():
