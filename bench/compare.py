@@ -130,7 +130,8 @@ def run_all(args, arms: list[Arm], seeds: list[int], out: Path) -> list[str]:
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     failed = []
-    todo = [(a, s) for a in arms for s in seeds]
+    # seed-major: every arm of seed 0 first, so a comparison cut short stays balanced across arms
+    todo = [(a, s) for s in seeds for a in arms]
     for i, (arm, seed) in enumerate(todo, 1):
         name = run_name(arm.name, seed)
         done = _completed_rounds(store, name)
