@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from collections import defaultdict
 from statistics import mean
 
@@ -114,6 +115,7 @@ def srd_rows(cfg: Config, round: int, inputs: dict, trajs: list[dict], champion:
                           failure_kind=failure_kind(a) if channel == "pitfall" else None, prompt=prompt))
 
     # 2. write them
+    t_notes = time.perf_counter()
     backend = None
     raw_texts: list[str] = []
     if notes and scfg.note_writer == "policy":
@@ -134,7 +136,10 @@ def srd_rows(cfg: Config, round: int, inputs: dict, trajs: list[dict], champion:
         if scfg.note_writer == "template":
             n.n_tokens = len(n.text.split())  # words: the template writer has no tokenizer
 
+    notes_s = time.perf_counter() - t_notes
+
     # 3. foresight pairs: one student sample (or more) per group and channel with a usable note
+    t_foresight = time.perf_counter()
     notes_by_group: dict[str, list[Note]] = defaultdict(list)
     for n in notes:
         notes_by_group[n.group_id].append(n)
@@ -166,6 +171,7 @@ def srd_rows(cfg: Config, round: int, inputs: dict, trajs: list[dict], champion:
         pairs = kept
     else:
         empty_foresight = 0
+    foresight_s = time.perf_counter() - t_foresight
 
     # 4. (ours) the action channel: the group's failed episodes, scored with the notes in the teacher's task message
     action_pairs: list[ForesightPair] = []
@@ -206,5 +212,6 @@ def srd_rows(cfg: Config, round: int, inputs: dict, trajs: list[dict], champion:
         "foresight": len(pairs), "empty_foresight": empty_foresight,
         "foresight_tokens_mean": mean(len(p.completion_ids) for p in pairs) if pairs else None,
         "action_pairs": len(action_pairs),
+        "notes_s": round(notes_s, 2), "foresight_s": round(foresight_s, 2),
     }
     return {"notes": note_rows, "foresight": fs_rows, "examples": ex_rows, "metrics": metrics}
