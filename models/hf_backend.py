@@ -25,7 +25,9 @@ token ids it holds keys/values for (the prompt and the sampled tokens fed back, 
 one) with those per-layer keys/values (batch 1, no padding) -- only the latest call's entries, at most
 `kv_store_max_tokens` tokens in all (~46 kB per token for SmolLM2-135M in fp32: the 65,536 default is
 ~3 GB). A request then reuses the entry with the longest common token prefix, cropped to at most
-prompt length - 1, and prefills only the rest; rows with different cached and new lengths share a
+prompt length - 1, and prefills only the rest; a token prefix that all requests of a call share
+(the system prompt and few-shot turns of a batch of new episodes) and that no entry holds is
+encoded once, batch 1, and reused by each of them; rows with different cached and new lengths share a
 batch as [pad][cached][pad][new] with explicit position ids, then a hand-written decode loop samples
 exactly as above (temperature, top-p, the same logprobs, eos and stop strings, `_finish_row`) and drops
 finished rows from the batch. `prompt_tokens` stays the full prompt; `extra["prefill_tokens"]` and
@@ -54,6 +56,9 @@ from models.loading import load_model_and_tokenizer
 DEFAULT_MAX_BATCH_SIZE = 16
 # Most tokens of keys/values kept between calls with kv_reuse (~46 kB/token for SmolLM2-135M fp32: ~3 GB).
 DEFAULT_KV_STORE_MAX_TOKENS = 1 << 16
+# With kv_reuse, a token prefix shared by all prompts of a call (system prompt + few-shot turns) at least
+# this long is encoded once and reused by every prompt.
+MIN_SHARED_PREFIX = 32
 
 
 @dataclass
@@ -120,7 +125,7 @@ class HFBackend:
         prompts = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
         if self.kv_reuse:
             # The old entries live on only in `matches`, each dropped once its chunk is prefilled.
-            matches = [self._longest_prefix(p) for p in prompts]
+            matches = self._share_common_prefix(prompts, [self._longest_prefix(p) for p in prompts])
             self._kv_store = []
             order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) - matches[i][1])
             new_store: list[_KVEntry] = []
@@ -166,6 +171,30 @@ class HFBackend:
                 best, best_len = entry, common
         best_len = min(best_len, len(prompt) - 1)
         return (best, best_len) if best_len > 0 else (None, 0)
+
+    def _share_common_prefix(self, prompts: list[list[int]],
+                             matches: list[tuple[_KVEntry | None, int]]) -> list[tuple[_KVEntry | None, int]]:
+        """Prefill the longest token prefix all `prompts` share once (batch 1) and let every prompt whose
+        stored match is shorter reuse it: the first turn of a batch of episodes shares the system prompt
+        and the few-shot turns, which would otherwise be encoded once per episode."""
+        if len(prompts) < 2:
+            return matches
+        first = np.asarray(prompts[0], dtype=np.int64)
+        lcp = min(len(p) for p in prompts) - 1  # at least one token of each prompt must still be fed
+        for p in prompts[1:]:
+            if lcp <= 0:
+                break
+            differ = np.flatnonzero(np.asarray(p[:lcp], dtype=np.int64) != first[:lcp])
+            if len(differ):
+                lcp = int(differ[0])
+        if lcp < MIN_SHARED_PREFIX or sum(c < lcp for _, c in matches) < 2:
+            return matches
+        ids = prompts[0][:lcp]
+        cache = DynamicCache(config=self.model.config)
+        with torch.inference_mode():
+            self.model(input_ids=torch.tensor([ids], device=self.device), cache=cache, use_cache=True, logits_to_keep=1)
+        shared = self._extract_row(cache, 0, 0, 0, 0, ids)
+        return [(shared, lcp) if c < lcp else (e, c) for e, c in matches]
 
     def _generate_chunk_reusing(self, prompts: list[list[int]], matches: list[tuple[_KVEntry | None, int]],
                                 params: SamplingParams, new_store: list[_KVEntry]) -> list[Generation]:

@@ -190,3 +190,20 @@ def test_rows_without_any_cache_next_to_cached_rows(plain, reusing, monkeypatch)
     assert {g.extra["cached_tokens"] == 0 for g in got} == {True, False}
     for g in got:
         assert all(lp == lp for lp in g.logprobs)  # no NaN
+
+
+def test_a_prefix_shared_by_a_whole_call_is_encoded_once(plain, reusing):
+    demo = [{"role": "system", "content": "You play a text adventure. Answer with one action."},
+            {"role": "user", "content": "Example room: " + "a table, " * 30 + "a door. Your action:"},
+            {"role": "assistant", "content": "open door"}]
+    conversations = [demo + [{"role": "user", "content": f"Room {i}: " + "a chair, " * i + "Your action:"}]
+                     for i in range(6)]
+    got = reusing.generate(conversations, GREEDY)  # an empty store: nothing to reuse but the shared prefix
+    _assert_same(plain.generate(conversations, GREEDY), got)
+    cached = {g.extra["cached_tokens"] for g in got}
+    assert len(cached) == 1 and cached.pop() > 60  # every row reused the same few-shot prefix
+    assert all(g.extra["prefill_tokens"] + g.extra["cached_tokens"] == g.prompt_tokens for g in got)
+    # below the threshold (one prompt, or a short common prefix) nothing is shared
+    assert reusing.generate(conversations[:1], GREEDY)[0].extra["cached_tokens"] > 0  # (the store's own entry)
+    reusing.clear_kv_store()
+    assert reusing.generate(conversations[:1], GREEDY)[0].extra["cached_tokens"] == 0
