@@ -250,7 +250,7 @@ def _check_class(env: Env, make, n, seed, fuzz, limit, state) -> str:
 
 
 def _check_splits(env: Env, make, n, seed, fuzz, limit, state) -> str:
-    ids = {}
+    ids, contents = {}, {}
     for split in SPLITS:
         tasks = env.sample_tasks(split, n, seed)
         _require(isinstance(tasks, list) and len(tasks) == n, f"sample_tasks({split!r}, {n}) gave {len(tasks)} tasks")
@@ -267,8 +267,10 @@ def _check_splits(env: Env, make, n, seed, fuzz, limit, state) -> str:
             _require(back.task_id == task.task_id and back.spec == task.spec,
                      f"task {task.task_id} does not survive to_row/from_row")
         ids[split] = {t.task_id for t in tasks}
+        contents[split] = {(t.task_type, json.dumps(t.spec, sort_keys=True)) for t in tasks}
         state[split] = tasks
     _require(not ids["train"] & ids["heldout"], "a task id appears in both train and heldout")
+    _require(not contents["train"] & contents["heldout"], "the same task (type and spec) is in both train and heldout")
     try:
         env.sample_tasks("no-such-split", 1, seed)
     except ValueError:
