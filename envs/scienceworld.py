@@ -28,12 +28,12 @@ lists a room's contents in an order that varies between loads of the same task. 
 action sequence ScienceWorld generates for every task: the expert follows it from where the
 agent's on-path actions left it (an off-path action that changed the world may derail it).
 
-JVMs: every ScienceWorld simulator is its own JVM (~200 MB fresh, up to ~1 GB after a few hundred
-steps, ~1 s to start). All env instances of a process share a pool of at most `max_jvms`
-simulators; an instance leases one at `reset`, and when more episodes are live than simulators
-(lockstep batches), a simulator is taken over by another episode and the first one is restored
-on its next step by reloading its task and replaying its actions (deterministic, ~0.3 s +
-~30 ms per action). When the last live instance is closed, the pool shuts every JVM down; an
+JVMs: every ScienceWorld simulator is its own JVM (~200 MB fresh, ~1 s to start; its heap is
+capped by `jvm_heap`, default 1 GB: uncapped, one grew to 4.5 GB over a few thousand steps).
+All env instances of a process share a pool of at most `max_jvms` simulators; an instance
+leases one at `reset`, and when more episodes are live than simulators (lockstep batches), a
+simulator is taken over by another episode and the first one is restored on its next step by
+reloading its task and replaying its actions (deterministic, ~0.3 s + ~30 ms per action). When the last live instance is closed, the pool shuts every JVM down; an
 atexit hook does the same at interpreter exit.
 """
 
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import os
 import random
 import re
 import shutil
@@ -115,11 +116,22 @@ class _Sim:
 
     _ids = itertools.count()
 
-    def __init__(self):
+    def __init__(self, heap: str | None):
         from scienceworld import ScienceWorldEnv
 
         self.id = next(self._ids)
-        self.sim = ScienceWorldEnv("", envStepLimit=1_000_000)
+        # The JVM's heap defaults to a quarter of RAM and is then used freely (4+ GB seen after a few
+        # thousand steps); -Xmx bounds it. JAVA_TOOL_OPTIONS reaches the JVM py4j launches.
+        saved = os.environ.get("JAVA_TOOL_OPTIONS")
+        if heap:
+            os.environ["JAVA_TOOL_OPTIONS"] = f"{saved or ''} -Xmx{heap}".strip()
+        try:
+            self.sim = ScienceWorldEnv("", envStepLimit=1_000_000)
+        finally:
+            if saved is None:
+                os.environ.pop("JAVA_TOOL_OPTIONS", None)
+            else:
+                os.environ["JAVA_TOOL_OPTIONS"] = saved
         self.owner: object | None = None     # the env whose episode this simulator holds
         self.last_used = time.monotonic()
 
@@ -145,13 +157,13 @@ class _Pool:
         self.live = 0
         self.scratch = object()   # owner of a simulator used for lookups (variations, demonstration)
 
-    def acquire(self, env: object, max_jvms: int) -> _Sim:
+    def acquire(self, env: object, max_jvms: int, heap: str | None = None) -> _Sim:
         with self.lock:
             free = [s for s in self.sims if s.owner is None or s.owner is self.scratch]
             if free:
                 sim = min(free, key=lambda s: s.last_used)
             elif len(self.sims) < max_jvms:
-                sim = _Sim()
+                sim = _Sim(heap)
                 self.sims.append(sim)
             else:
                 sim = min(self.sims, key=lambda s: s.last_used)   # its episode is replayed when needed
@@ -266,6 +278,8 @@ class ScienceWorldEnv(Env):
     max_steps: actions per episode, refused ones included.
     max_jvms: most simulators (JVMs) alive in this process, shared by all instances.
     list_admissible: whether admissible_actions() lists ScienceWorld's valid actions (else None).
+    jvm_heap: the most heap each simulator's JVM may use (java -Xmx; default "1g"; None: Java's default,
+        a quarter of RAM, which a long-lived simulator does fill).
     """
 
     name = "scienceworld"
@@ -275,7 +289,8 @@ class ScienceWorldEnv(Env):
     admissible_exact = False
 
     def __init__(self, task_names: list[str] | tuple[str, ...] | None = None, simplification: str = "easy",
-                 heldout: str = "dev", max_steps: int = 30, max_jvms: int = 8, list_admissible: bool = True):
+                 heldout: str = "dev", max_steps: int = 30, max_jvms: int = 8, list_admissible: bool = True,
+                 jvm_heap: str | None = "1g"):
         chosen = tuple(task_names) if task_names else TASK_NAMES
         unknown = [t for t in chosen if t not in TASK_NAMES]
         if unknown:
@@ -291,6 +306,7 @@ class ScienceWorldEnv(Env):
         self.max_steps = max_steps
         self.max_jvms = max_jvms
         self.list_admissible = list_admissible
+        self.jvm_heap = jvm_heap
         self._sim: _Sim | None = None
         self._task: TaskSpec | None = None
         self._closed = False
@@ -300,7 +316,7 @@ class ScienceWorldEnv(Env):
 
     def _scratch_sim(self) -> _Sim:
         """A simulator for lookups that clobber its state (any episode it held is replayed later)."""
-        sim = _POOL.acquire(self, self.max_jvms)
+        sim = _POOL.acquire(self, self.max_jvms, self.jvm_heap)
         sim.owner = _POOL.scratch
         return sim
 
@@ -310,7 +326,7 @@ class ScienceWorldEnv(Env):
         if sim is not None and sim.owner is self and sim in _POOL.sims:
             sim.last_used = time.monotonic()
             return sim
-        sim = self._sim = _POOL.acquire(self, self.max_jvms)
+        sim = self._sim = _POOL.acquire(self, self.max_jvms, self.jvm_heap)
         self._load(sim)
         for command in self._sent:
             sim.sim.step(command)
@@ -319,6 +335,7 @@ class ScienceWorldEnv(Env):
     def _load(self, sim: _Sim) -> tuple[str, dict]:
         spec = self._task.spec
         sim.sim.load(spec["task"], spec["variation"], spec["simplification"], generateGoldPath=True)
+        sim.sim.clear_run_histories()
         observation, info = sim.sim.reset()
         key = (spec["task"], spec["variation"], spec["simplification"])
         if key not in _GOLD:
@@ -365,7 +382,7 @@ class ScienceWorldEnv(Env):
         self._gold_pos = 0
         self._refused: dict[str, int] = {}
         sim = self._sim if self._sim is not None and self._sim.owner is self and self._sim in _POOL.sims \
-            else _POOL.acquire(self, self.max_jvms)
+            else _POOL.acquire(self, self.max_jvms, self.jvm_heap)
         self._sim = sim
         observation, info = self._load(sim)
         self._admissible = self._valid_actions(info)
@@ -504,7 +521,7 @@ class ScienceWorldEnv(Env):
         key = self.simplification
         if key not in _DEMO:
             demo = ScienceWorldEnv(("find-non-living-thing",), self.simplification, max_steps=40,
-                                   max_jvms=self.max_jvms, list_admissible=False)
+                                   max_jvms=self.max_jvms, list_admissible=False, jvm_heap=self.jvm_heap)
             try:
                 task = TaskSpec(self.name, "train", "find-non-living-thing", 0,
                                 {"task": "find-non-living-thing", "variation": 0,
