@@ -212,6 +212,6 @@ def srd_rows(cfg: Config, round: int, inputs: dict, trajs: list[dict], champion:
         "foresight": len(pairs), "empty_foresight": empty_foresight,
         "foresight_tokens_mean": mean(len(p.completion_ids) for p in pairs) if pairs else None,
         "action_pairs": len(action_pairs),
-        "notes_s": round(notes_s, 2), "foresight_s": round(foresight_s, 2),
+        "notes_s": float(f"{notes_s:.2f}"), "foresight_s": float(f"{foresight_s:.2f}"),
     }
     return {"notes": note_rows, "foresight": fs_rows, "examples": ex_rows, "metrics": metrics}
