@@ -35,11 +35,13 @@ With --heldout-per-seed each seed plays its own held-out sample (gate.seed + see
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -149,8 +151,17 @@ def run_all(args, arms: list[Arm], seeds: list[int], out: Path) -> list[str]:
         with open(log, "a") as f:
             f.write("$ " + " ".join(cmd) + "\n")
             f.flush()
-            rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True).returncode
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                rc = proc.wait()
+            except BaseException:
+                # Interrupted (Ctrl-C, SIGTERM): take the run and the Prefect server it started down with
+                # us; the run resumes from its last completed step next time.
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise
         dt = time.perf_counter() - t0
         if rc != 0:
             failed.append(name)
@@ -411,7 +422,12 @@ def _manifest(out: Path) -> dict | None:
     return json.loads(p.read_text()) if p.exists() else None
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> None:
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the current run too, not only this process
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--config", action="append", metavar="FILE", help="YAML config; repeat to overlay")
