@@ -16,8 +16,9 @@ text commands. The reply's first line is sent (control characters removed, at mo
 characters); an empty or over-long reply, and the "reset task" meta-action, are refused without
 reaching the simulator. ScienceWorld's "No known action matches that input." is reported as
 `feedback="unparseable"`; an ambiguous command is resolved to ScienceWorld's first reading
-(as common agent harnesses do) and said so. Reward is the change in ScienceWorld's score / 100,
-so an episode's rewards sum to its final score / 100; success is a score of 100. The episode
+(as common agent harnesses do; the gold path's own choices where it names them) and said so.
+Reward is the change in ScienceWorld's score / 100, so an episode's rewards sum to its final
+score / 100; success is a score of 100. The episode
 ends at success, at ScienceWorld's own failure (score < 0), or after `max_steps` actions.
 
 Admissible actions are ScienceWorld's valid action-object combinations (often hundreds: keep
@@ -421,21 +422,28 @@ class ScienceWorldEnv(Env):
 
     def _send(self, command: str) -> tuple[str, dict, float]:
         sim = self._live_sim()
+        gold = self._gold()
+        on_path = self._gold_pos < len(gold) and command == gold[self._gold_pos]
         observation, _, completed, info = sim.sim.step(command)
         self._sent.append(command)
         note = ""
         if observation.strip().startswith("Ambiguous request"):
-            observation, _, completed, info = sim.sim.step("0")   # ScienceWorld's first reading
-            self._sent.append("0")
-            note = "(Ambiguous command: took the first reading.) "
+            # The gold path resolves its own ambiguities with the number it names; anyone else gets
+            # ScienceWorld's first reading.
+            following = gold[self._gold_pos + 1] if on_path and self._gold_pos + 1 < len(gold) else ""
+            choice = following if following.isdigit() else "0"
+            observation, _, completed, info = sim.sim.step(choice)
+            self._sent.append(choice)
+            note = f"(Ambiguous command: took reading {choice}.) "
+            if on_path and following.isdigit():
+                self._gold_pos += 1
         if observation.strip() == UNKNOWN_ACTION:
             if command in self._admissible:   # ScienceWorld listed it, but it is not possible now
                 return (f"That is not possible now ({UNKNOWN_ACTION})",
                         {"valid": False, "feedback": "inadmissible"}, 0.0)
             return (f"{UNKNOWN_ACTION} " + self._forms(), {"valid": False, "feedback": "unparseable"}, 0.0)
         self._actions.append(command)
-        gold = _GOLD.get((self._task.spec["task"], self._task.spec["variation"], self._task.spec["simplification"]), [])
-        if self._gold_pos < len(gold) and command == gold[self._gold_pos]:
+        if on_path:
             self._gold_pos += 1
         score = int(info.get("score", 0))
         reward = (score - self._score) / 100.0
@@ -464,6 +472,8 @@ class ScienceWorldEnv(Env):
         if self._task is None or self._done:
             return None
         gold = self._gold()
+        while self._gold_pos < len(gold) and gold[self._gold_pos].isdigit():   # an ambiguity choice, made in step()
+            self._gold_pos += 1
         return gold[self._gold_pos] if self._gold_pos < len(gold) else None
 
     def _gold(self) -> list[str]:
