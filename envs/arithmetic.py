@@ -160,10 +160,11 @@ def split_of(question: str) -> str:
 
 
 _DEMO = [  # (question, reply): the format, shown as earlier chat turns
-    ("What is 4 + 3?", "Answer: 7"),
+    ("What is (8 - 3) * 4?", "8 - 3 = 5, 5 * 4 = 20. Answer: 20"),
     ("Ben has 6 coins. He gets 5 more coins. Then he gives away 2. How many coins does Ben have now?",
      "6 + 5 = 11, 11 - 2 = 9. Answer: 9"),
-    ("What is (8 - 3) * 4?", "8 - 3 = 5, 5 * 4 = 20. Answer: 20"),
+    ("What is 4 + 3?", "4 + 3 = 7. Answer: 7"),
+    ("Ana has 9 shells. She gives away 4. How many shells does Ana have now?", "9 - 4 = 5. Answer: 5"),
 ]
 
 
@@ -262,7 +263,9 @@ class ArithmeticEnv(Env):
                 "then 'Answer: <integer>' (for example 'Answer: 42'). Every answer is a whole number.")
 
     def demonstration(self) -> list[tuple[str, list[str] | None, str]]:
-        """Three solved problems (a direct answer, two with one-line working)."""
+        """Four solved problems with one-line working, as many steps as each problem has (the last two
+        have one: with two-step examples last, SmolLM2-135M added a spurious second step to one-step
+        problems)."""
         return [(question, None, reply) for question, reply in _DEMO]
 
     def expert_action(self) -> str | None:
