@@ -4,6 +4,11 @@
         --arm exit --arm "srd:distill.methods=[exit,srd],train.epochs=2" \\
         --seeds 0,1,2 --rounds 3 [--set key=val ...] --out bench/results/<name>
     python -m bench.compare --out bench/results/<name> --report-only
+    python -m bench.compare --out bench/results/<name> --report-only --merge bench/results/<part-2> \
+        --arm exit --arm srd --seeds 0,1,2
+
+A comparison can be split over processes or machines (one out folder each, e.g. one per arm) and
+merged: `--merge OUT_DIR` copies that folder's runs into this folder's store first.
 
 An arm is `NAME[:KEY=VAL,KEY=VAL...]`: the overrides that make it differ from the common config.
 Commas inside brackets, braces or quotes belong to the value (`distill.methods=[exit,srd]` is one
@@ -170,6 +175,48 @@ def run_all(args, arms: list[Arm], seeds: list[int], out: Path) -> list[str]:
         else:
             print(f"    {name}: done in {dt:.0f} s", flush=True)
     return failed
+
+
+def merge_runs(out: Path, sources: list[Path]) -> list[str]:
+    """Copy into <out>/compare.duckdb the runs of other comparison folders (a comparison split over
+    processes or machines, each with its own store). A run is copied when the destination lacks it
+    or has fewer completed rounds of it (its old rows are replaced). Returns the runs copied."""
+    import duckdb
+
+    from stores.store import Store
+
+    dest = out / "compare.duckdb"
+    with Store(dest):  # creates the file and applies the migrations
+        pass
+    con = duckdb.connect(str(dest))
+    copied = []
+    try:
+        tables = [t for (t,) in con.execute(
+            "SELECT DISTINCT table_name FROM information_schema.columns WHERE table_catalog = current_database()"
+            " AND table_schema = 'main' AND column_name = 'run_id'").fetchall()]
+        for i, src in enumerate(sources):
+            path = Path(src) / "compare.duckdb" if Path(src).is_dir() else Path(src)
+            if not path.is_file():
+                raise FileNotFoundError(f"--merge {src}: no comparison store at {path}")
+            alias = f"src{i}"
+            con.execute(f"ATTACH '{path}' AS {alias} (READ_ONLY)")
+            for (run_id,) in con.execute(f"SELECT run_id FROM {alias}.runs ORDER BY run_id").fetchall():
+                done = lambda db: con.execute(
+                    f"SELECT coalesce(max(round), -1) FROM {db}.rounds WHERE run_id = ? AND status = 'completed'",
+                    [run_id]).fetchall()[0][0]
+                exists = con.execute("SELECT count(*) FROM main.runs WHERE run_id = ?", [run_id]).fetchall()[0][0]
+                if exists and done("main") >= done(alias):
+                    continue
+                con.begin()
+                for t in tables:
+                    con.execute(f'DELETE FROM main."{t}" WHERE run_id = ?', [run_id])
+                    con.execute(f'INSERT INTO main."{t}" BY NAME SELECT * FROM {alias}."{t}" WHERE run_id = ?', [run_id])
+                con.commit()
+                copied.append(run_id)
+            con.execute(f"DETACH {alias}")
+    finally:
+        con.close()
+    return copied
 
 
 # ---- reading the store -------------------------------------------------------------------
@@ -440,6 +487,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--heldout-per-seed", action="store_true",
                     help="gate.seed + seed: each seed plays its own held-out sample (see the notes)")
     ap.add_argument("--report-only", action="store_true", help="rebuild table and plot from the store; run nothing")
+    ap.add_argument("--merge", action="append", default=[], metavar="OUT_DIR",
+                    help="first copy the runs of another comparison folder's store into this one (repeatable)")
     args = ap.parse_args(argv)
     os.chdir(REPO)  # config paths and `runs/...` defaults resolve against the repository, as for rsiflow
     out = Path(args.out).resolve()
@@ -452,6 +501,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("bench.compare: arm names must be distinct")
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     manifest = _manifest(out)
+    if args.merge:
+        print(f"bench.compare: merged runs {merge_runs(out, [Path(m) for m in args.merge])}")
 
     if args.report_only:
         if not arms:

@@ -17,6 +17,9 @@ def _prefect_env() -> None:
     # The first ephemeral run otherwise prints a telemetry "database is locked" traceback.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Prefect's temporary server must answer within 20 s by default; on a loaded 2-core machine it
+    # sometimes takes longer ("Timed out while attempting to connect to ephemeral Prefect API server").
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:

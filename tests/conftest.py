@@ -7,6 +7,7 @@ from pathlib import Path
 _prefect_home = tempfile.mkdtemp(prefix="rsiflow-test-prefect-")
 os.environ["PREFECT_HOME"] = _prefect_home
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.pop("PREFECT_API_URL", None)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -60,7 +60,7 @@ def test_compare_runs_arms_and_seeds_on_tiny(tmp_path):
     env.pop("PREFECT_API_URL", None)
     cmd = [sys.executable, "-m", "bench.compare", "--config", TINY, "--arm", "a", "--arm", "b:train.learning_rate=1e-4",
            "--seeds", "0,1", "--rounds", "1", "--set", "gate.heldout_tasks=4", "--out", str(out)]
-    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "| arm | round |" in res.stdout
     for f in ("table.md", "table.csv", "runs.csv", "compare.duckdb"):
@@ -94,10 +94,25 @@ def test_compare_runs_arms_and_seeds_on_tiny(tmp_path):
 
     # the same command again: every run is complete, nothing runs; --report-only rebuilds the table
     t0 = time.time()
-    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert again.returncode == 0 and again.stdout.count("skipped") == 4 and time.time() - t0 < 30
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and again.stdout.count("skipped") == 4 and time.time() - t0 < 90
     (out / "table.csv").unlink()
     rep = subprocess.run([sys.executable, "-m", "bench.compare", "--out", str(out), "--report-only"], cwd=REPO,
-                         env=env, capture_output=True, text=True, timeout=60)
+                         env=env, capture_output=True, text=True, timeout=300)
     assert rep.returncode == 0, rep.stderr
     assert list(csv.DictReader(open(out / "table.csv"))) == rows
+
+    # a comparison split over folders merges into one store: same table; merging again copies nothing
+    merged = tmp_path / "merged"
+    merge_cmd = [sys.executable, "-m", "bench.compare", "--out", str(merged), "--report-only", "--merge", str(out),
+                 "--arm", "a", "--arm", "b", "--seeds", "0,1"]
+    first = subprocess.run(merge_cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert "merged runs ['a-s0', 'a-s1', 'b-s0', 'b-s1']" in first.stdout
+    assert list(csv.DictReader(open(merged / "table.csv"))) == rows
+    second = subprocess.run(merge_cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0 and "merged runs []" in second.stdout
+    con = duckdb.connect(str(merged / "compare.duckdb"), read_only=True)
+    assert con.execute("SELECT count(*) FROM trajectories").fetchall() == \
+        duckdb.connect(str(out / "compare.duckdb"), read_only=True).execute("SELECT count(*) FROM trajectories").fetchall()
+    con.close()
