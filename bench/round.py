@@ -37,6 +37,7 @@ from pathlib import Path
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # a loaded machine starts it slowly
 
 REPO = Path(__file__).resolve().parents[1]
 CATEGORIES = ("generate", "model load", "env", "train", "store", "report", "prefect", "other")

@@ -37,7 +37,7 @@ def test_bench_round_on_tiny(tmp_path):
     env.pop("PREFECT_API_URL", None)
     res = subprocess.run([sys.executable, "-m", "bench.round", "--config", TINY, "--store", str(tmp_path / "s.duckdb"),
                           "--run-dir", str(tmp_path / "runs")], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=240)
+                         timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = res.stdout
     wall, attributed = map(float, re.search(r"wall ([\d.]+) s \(attributed ([\d.]+) s\)", out).groups())
