@@ -26,12 +26,11 @@ training question.
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 from typing import Any
 
-from envs.base import SPLITS, Env, StepResult, TaskSpec
+from envs.base import Env, StepResult, TaskSpec, sample_hashed_tasks, step_guard
 
 LEVELS = ("level1", "level2", "level3", "level4", "level5")
 # level -> (operations, largest operand, allowed ops, word-problem share)
@@ -42,7 +41,6 @@ LEVEL_SPECS = {
     "level4": (3, 50, "+-*/", 0.5),
     "level5": (4, 100, "+-*/", 0.5),
 }
-HELDOUT_BUCKETS = 5  # a question whose hash is 0 mod 5 is held out
 
 NAMES = ("Mia", "Tom", "Ana", "Leo", "Sara", "Ravi", "Yuki", "Omar", "Lena", "Ben", "Ivy", "Max")
 ITEMS = ("marbles", "stickers", "apples", "coins", "pencils", "stamps", "cards", "shells", "books",
@@ -154,11 +152,6 @@ def generate_problem(level: str, rng: random.Random) -> dict[str, Any]:
     return {"question": question, "answer": value, "steps": steps, "form": form}
 
 
-def split_of(question: str) -> str:
-    bucket = int(hashlib.sha1(question.encode()).hexdigest(), 16) % HELDOUT_BUCKETS
-    return "heldout" if bucket == 0 else "train"
-
-
 _DEMO = [  # (question, reply): the format, shown as earlier chat turns
     ("What is (8 - 3) * 4?", "8 - 3 = 5, 5 * 4 = 20. Answer: 20"),
     ("Ben has 6 coins. He gets 5 more coins. Then he gives away 2. How many coins does Ben have now?",
@@ -190,19 +183,7 @@ class ArithmeticEnv(Env):
     def sample_tasks(self, split: str, n: int, seed: int) -> list[TaskSpec]:
         """`n` problems of `split`, levels round-robin; problem i comes from its own RNG seeded by
         (split, seed, i) and is redrawn until its question hashes into `split`."""
-        if split not in SPLITS:
-            raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
-        tasks = []
-        for i in range(n):
-            level = self.levels[i % len(self.levels)]
-            rng = random.Random(f"arithmetic:{split}:{seed}:{i}")
-            task_seed = rng.randrange(2**31)
-            while True:
-                problem = generate_problem(level, rng)
-                if split_of(problem["question"]) == split:
-                    break
-            tasks.append(TaskSpec(env=self.name, split=split, task_type=level, seed=task_seed, spec=problem))
-        return tasks
+        return sample_hashed_tasks(self.name, self.levels, split, n, seed, generate_problem)
 
     def reset(self, task: TaskSpec) -> str:
         self._task = task
@@ -214,11 +195,8 @@ class ArithmeticEnv(Env):
         return task.spec["question"]
 
     def step(self, action: str) -> StepResult:
-        if self._task is None:
-            raise RuntimeError("call reset(task) before step()")
-        if self._done:
-            return StepResult("The episode is over.", 0.0, True, self._success,
-                              {"valid": False, "feedback": "episode_over"})
+        if (over := step_guard(self._task, self._done, self._success)) is not None:
+            return over
         self._steps += 1
         answer = parse_answer(action)
         if answer is None:

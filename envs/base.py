@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 SPLITS = ("train", "heldout")
 
@@ -98,3 +99,37 @@ class Env(ABC):
 
     def close(self) -> None:
         """Release resources (a JVM, a subprocess). Household has none."""
+
+
+def step_guard(task: TaskSpec | None, done: bool, success: bool) -> StepResult | None:
+    """What every env's `step()` checks first: a step before `reset()` is a programming error; a step
+    after the episode ended changes nothing and says so. None: go on with the step."""
+    if task is None:
+        raise RuntimeError("call reset(task) before step()")
+    if done:
+        return StepResult("The episode is over.", 0.0, True, success, {"valid": False, "feedback": "episode_over"})
+    return None
+
+
+def hashed_split(text: str, heldout_buckets: int = 5) -> str:
+    """'heldout' for one in `heldout_buckets` texts (by SHA-1), else 'train': a split no RNG can leak across."""
+    return "heldout" if int(hashlib.sha1(text.encode()).hexdigest(), 16) % heldout_buckets == 0 else "train"
+
+
+def sample_hashed_tasks(env: str, task_types: tuple[str, ...] | list[str], split: str, n: int, seed: int,
+                        generate: Callable[[str, random.Random], dict[str, Any]]) -> list[TaskSpec]:
+    """`n` tasks of `split`, types round-robin; task i comes from its own RNG seeded by (env, split,
+    seed, i) and is redrawn until its spec's "question" hashes into `split` (`hashed_split`)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    tasks = []
+    for i in range(n):
+        task_type = task_types[i % len(task_types)]
+        rng = random.Random(f"{env}:{split}:{seed}:{i}")
+        task_seed = rng.randrange(2**31)
+        while True:
+            spec = generate(task_type, rng)
+            if hashed_split(spec["question"]) == split:
+                break
+        tasks.append(TaskSpec(env=env, split=split, task_type=task_type, seed=task_seed, spec=spec))
+    return tasks

@@ -25,7 +25,7 @@ import random
 import re
 from typing import Any
 
-from envs.base import SPLITS, Env, StepResult, TaskSpec
+from envs.base import SPLITS, Env, StepResult, TaskSpec, step_guard
 
 TASK_TYPES = ("pick_and_place", "look_at_obj_in_light", "pick_clean_then_place",
               "pick_heat_then_place", "pick_cool_then_place", "pick_two_obj_and_place")
@@ -290,11 +290,8 @@ class HouseholdEnv(Env):
     # ---- acting ------------------------------------------------------------------------------
 
     def step(self, action: str) -> StepResult:
-        if self._task is None:
-            raise RuntimeError("call reset(task) before step()")
-        if self._done:
-            return StepResult("The episode is over.", 0.0, True, self._success,
-                              {"valid": False, "feedback": "episode_over"})
+        if (over := step_guard(self._task, self._done, self._success)) is not None:
+            return over
         self._steps += 1
         parsed = parse_action(action)
         if parsed is None:

@@ -50,7 +50,7 @@ import threading
 import time
 from typing import Any
 
-from envs.base import SPLITS, Env, StepResult, TaskSpec
+from envs.base import SPLITS, Env, StepResult, TaskSpec, step_guard
 
 TASK_NAMES = (
     "boil", "change-the-state-of-matter-of", "chemistry-mix", "chemistry-mix-paint-secondary-color",
@@ -393,11 +393,8 @@ class ScienceWorldEnv(Env):
         return sorted(a for a in info.get("valid", []) if a not in BLOCKED)
 
     def step(self, action: str) -> StepResult:
-        if self._task is None:
-            raise RuntimeError("call reset(task) before step()")
-        if self._done:
-            return StepResult("The episode is over.", 0.0, True, self._success,
-                              {"valid": False, "feedback": "episode_over"})
+        if (over := step_guard(self._task, self._done, self._success)) is not None:
+            return over
         self._steps += 1
         command = _clean(action)
         reward = 0.0

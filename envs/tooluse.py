@@ -28,18 +28,16 @@ held-out), so no held-out question is a training question.
 from __future__ import annotations
 
 import ast
-import hashlib
 import json
 import random
 import re
 from fractions import Fraction
 from typing import Any
 
-from envs.base import SPLITS, Env, StepResult, TaskSpec
+from envs.base import Env, StepResult, TaskSpec, sample_hashed_tasks, step_guard
 
 TASK_TYPES = ("calc", "lookup", "lookup_calc", "compare")
 TOOL_NAMES = ("calculator", "lookup", "answer")
-HELDOUT_BUCKETS = 5
 MAX_CALL_CHARS = 400
 MAX_MAGNITUDE = 10**15
 
@@ -292,11 +290,6 @@ def generate_task(task_type: str, rng: random.Random) -> dict[str, Any]:
             "expression": expression}
 
 
-def split_of(question: str) -> str:
-    bucket = int(hashlib.sha1(question.encode()).hexdigest(), 16) % HELDOUT_BUCKETS
-    return "heldout" if bucket == 0 else "train"
-
-
 _DEMO_SPEC = {"question": "How many dollars do 3 glomits and 2 tuzor cost in total?",
               "table": {"glomit": 14, "tuzor": 25, "brafen": 7}, "answer": 92,
               "lookups": ["glomit", "tuzor"], "expression": "3 * 14 + 2 * 25"}
@@ -326,19 +319,7 @@ class ToolUseEnv(Env):
         return json.loads(json.dumps(TOOLS))
 
     def sample_tasks(self, split: str, n: int, seed: int) -> list[TaskSpec]:
-        if split not in SPLITS:
-            raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
-        tasks = []
-        for i in range(n):
-            task_type = self.chosen_types[i % len(self.chosen_types)]
-            rng = random.Random(f"tooluse:{split}:{seed}:{i}")
-            task_seed = rng.randrange(2**31)
-            while True:
-                spec = generate_task(task_type, rng)
-                if split_of(spec["question"]) == split:
-                    break
-            tasks.append(TaskSpec(env=self.name, split=split, task_type=task_type, seed=task_seed, spec=spec))
-        return tasks
+        return sample_hashed_tasks(self.name, self.chosen_types, split, n, seed, generate_task)
 
     def reset(self, task: TaskSpec) -> str:
         self._task = task
@@ -352,11 +333,8 @@ class ToolUseEnv(Env):
         return f"{task.spec['question']}\nUse the tools; finish with answer(value=<integer>)."
 
     def step(self, action: str) -> StepResult:
-        if self._task is None:
-            raise RuntimeError("call reset(task) before step()")
-        if self._done:
-            return StepResult("The episode is over.", 0.0, True, self._success,
-                              {"valid": False, "feedback": "episode_over"})
+        if (over := step_guard(self._task, self._done, self._success)) is not None:
+            return over
         self._steps += 1
         reward = 0.0
         try:

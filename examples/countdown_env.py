@@ -33,10 +33,9 @@ import ast
 import hashlib
 import itertools
 import random
-import re
 from fractions import Fraction
 
-from envs.base import SPLITS, Env, StepResult, TaskSpec
+from envs.base import SPLITS, Env, StepResult, TaskSpec, step_guard
 
 OPS = ("+", "-", "*", "/")
 
@@ -137,11 +136,8 @@ class CountdownEnv(Env):
         return f"Numbers: {numbers}. Target: {task.spec['target']}."
 
     def step(self, action: str) -> StepResult:
-        if self._task is None:
-            raise RuntimeError("call reset(task) before step()")
-        if self._done:
-            return StepResult("The episode is over.", 0.0, True, self._success,
-                              {"valid": False, "feedback": "episode_over"})
+        if (over := step_guard(self._task, self._done, self._success)) is not None:
+            return over
         self._steps += 1
         spec = self._task.spec
         try:
