@@ -133,8 +133,6 @@ def srd_rows(cfg: Config, round: int, inputs: dict, trajs: list[dict], champion:
         raw_texts = [template_note(by_id[n.traj_id], n.channel) for n in notes]
     for n, raw in zip(notes, raw_texts):
         n.text, n.usable = clean_note(raw, n.channel)
-        if scfg.note_writer == "template":
-            n.n_tokens = len(n.text.split())  # words: the template writer has no tokenizer
 
     notes_s = time.perf_counter() - t_notes
 
@@ -188,7 +186,8 @@ def srd_rows(cfg: Config, round: int, inputs: dict, trajs: list[dict], champion:
     note_rows = [{"note_id": n.note_id, "traj_id": n.traj_id, "group_id": n.group_id, "task_id": n.task_id,
                   "channel": n.channel, "writer": n.writer, "model_id": champion if n.writer == "policy" else None,
                   "failure_kind": n.failure_kind, "prompt": n.prompt, "text": n.text, "raw_text": raw,
-                  "n_tokens": n.n_tokens, "usable": n.usable} for n, raw in zip(notes, raw_texts)]
+                  "n_tokens": n.n_tokens if n.writer == "policy" else None,  # the template writer samples no tokens
+                  "usable": n.usable} for n, raw in zip(notes, raw_texts)]
     fs_rows, ex_rows = [], []
     for p in pairs + action_pairs:
         fs_rows.append({"foresight_id": p.pair_id, "group_id": p.group_id, "task_id": p.task_id, "channel": p.channel,
@@ -207,7 +206,7 @@ def srd_rows(cfg: Config, round: int, inputs: dict, trajs: list[dict], champion:
         **{f"groups_{k}" if k != "groups" else k: v for k, v in counts.items()},
         "writer": scfg.note_writer,
         "notes": len(notes), "usable_notes": len(usable),
-        "note_tokens_mean": mean(n.n_tokens for n in notes) if notes else None,
+        "note_tokens_mean": mean(n.n_tokens for n in notes) if notes and scfg.note_writer == "policy" else None,
         "groups_with_signal": len({p.group_id for p in pairs + action_pairs}),
         "foresight": len(pairs), "empty_foresight": empty_foresight,
         "foresight_tokens_mean": mean(len(p.completion_ids) for p in pairs) if pairs else None,
