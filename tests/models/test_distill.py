@@ -7,9 +7,10 @@ import torch
 from transformers import AutoTokenizer
 
 from configs.schema import TrainConfig
-from models.distill import (DistillLoss, MisalignedCompletion, encode_pair, importance_weights, topk_divergence)
+from models.encoding import MisalignedCompletion, encode_pair
+from models.losses import importance_weights, topk_divergence
 from models.loading import load_model_and_tokenizer
-from models.sft import train_sft
+from models.trainer import DistillLoss, train_candidate
 
 # teacher p = [0.5, 0.3, 0.15, 0.05], student q uniform; k = 2: the teacher's top-2 are tokens 0 and 1,
 # the tail bucket holds the rest: T = [0.5, 0.3, 0.2], S = [0.25, 0.25, 0.5].
@@ -139,11 +140,11 @@ def test_sampled_logprobs_attach_only_when_the_encoding_reproduces_the_sampled_t
 
 def test_distillation_alone_trains_and_shrinks_the_divergence(tiny_path, tmp_path, tok):
     student, teacher = _pair()
-    examples = [{"example_id": f"d{i}", "student": student, "teacher": teacher, "train_from": 2, "weight": 1.0}
+    examples = [{"example_id": f"d{i}", "kind": "distill", "student": student, "teacher": teacher, "train_from": 2, "weight": 1.0}
                 for i in range(4)]
     cfg = TrainConfig(learning_rate=1e-3, epochs=6, batch_size=2)
-    metrics, used = train_sft(tiny_path, [], tmp_path / "cand", cfg, distill_examples=examples,
-                              distill=DistillLoss(loss_weight=1.0, ema_rate=0.0, top_k=16))
+    metrics, used = train_candidate(tiny_path, examples, tmp_path / "cand", cfg,
+                                    distill=DistillLoss(loss_weight=1.0, ema_rate=0.0, top_k=16))
     assert used == [f"d{i}" for i in range(4)]
     assert metrics["distill_examples"] == 4 and metrics["distill_misaligned"] == 0 and metrics["steps"] == 12
     assert metrics["distill_loss_first"] > 0
@@ -156,15 +157,37 @@ def test_distillation_alone_trains_and_shrinks_the_divergence(tiny_path, tmp_pat
 
 def test_mixed_sft_and_distillation_batches_with_an_ema_teacher(tiny_path, tmp_path, tok):
     student, teacher = _pair()
-    sft = [{"example_id": f"s{i}", "messages": student, "weight": 1.0, "train_from": 2} for i in range(2)]
-    dis = [{"example_id": f"d{i}", "student": student, "teacher": teacher, "train_from": 2, "weight": 0.5}
+    sft = [{"example_id": f"s{i}", "kind": "sft", "messages": student, "weight": 1.0, "train_from": 2} for i in range(2)]
+    dis = [{"example_id": f"d{i}", "kind": "distill", "student": student, "teacher": teacher, "train_from": 2, "weight": 0.5}
            for i in range(2)]
     leaked = [dict(m) for m in student]
     leaked[2] = {"role": "assistant", "content": "leak " + student[2]["content"]}
-    dis.append({"example_id": "bad", "student": student, "teacher": leaked, "train_from": 2})
+    dis.append({"example_id": "bad", "kind": "distill", "student": student, "teacher": leaked, "train_from": 2})
     cfg = TrainConfig(learning_rate=1e-4, epochs=1, batch_size=4)
-    metrics, used = train_sft(tiny_path, sft, tmp_path / "cand", cfg, distill_examples=dis,
-                              distill=DistillLoss(loss_weight=0.01, ema_rate=0.05))
+    metrics, used = train_candidate(tiny_path, sft + dis, tmp_path / "cand", cfg,
+                                    distill=DistillLoss(loss_weight=0.01, ema_rate=0.05))
     assert sorted(used) == ["d0", "d1", "s0", "s1"]  # the misaligned pair was dropped and counted
     assert metrics["distill_misaligned"] == 1 and metrics["examples"] == 2 and metrics["distill_examples"] == 2
     assert metrics["ema_teacher"] is True and math.isfinite(metrics["train_loss"])
+
+
+def test_the_loss_does_not_grow_with_gradient_accumulation(tiny_path, tmp_path, tok):
+    """One optimizer step over the same 4 rows (2 SFT, 2 distillation) as 1 batch of 4 or as 2 micro-batches
+    of 2 gives the same update: the SFT term is normalised over the accumulated step's tokens and the
+    distillation term divided by the micro-batches (it used to be summed over them: grad_accum × λ)."""
+    student, teacher = _pair()
+    rows = [{"example_id": "s0", "kind": "sft", "messages": student, "weight": 1.0, "train_from": 2},
+            {"example_id": "d0", "kind": "distill", "student": student, "teacher": teacher, "train_from": 2},
+            {"example_id": "s1", "kind": "sft", "messages": student, "weight": 1.0, "train_from": 2},
+            {"example_id": "d1", "kind": "distill", "student": student, "teacher": teacher, "train_from": 2}]
+    loss = DistillLoss(loss_weight=50.0, ema_rate=0.0, top_k=16, is_clip=None)
+    params = {}
+    for name, batch, accum in (("one", 4, 1), ("accum", 2, 2)):
+        cfg = TrainConfig(learning_rate=1e-3, epochs=1, batch_size=batch, grad_accum=accum)
+        metrics, _ = train_candidate(tiny_path, rows, tmp_path / name, cfg, distill=loss, seed=0)
+        assert metrics["steps"] == 1
+        params[name], _ = load_model_and_tokenizer(tmp_path / name)
+    parent, _ = load_model_and_tokenizer(tiny_path)
+    moved = [(a - p).abs().sum().item() for a, p in zip(params["one"].parameters(), parent.parameters())]
+    diff = [(a - b).abs().sum().item() for a, b in zip(params["one"].parameters(), params["accum"].parameters())]
+    assert sum(moved) > 0 and sum(diff) < 1e-3 * sum(moved)

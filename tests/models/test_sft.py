@@ -10,7 +10,9 @@ from configs.schema import TrainConfig
 from envs import make_env
 from methods.rollout import prompt_prefix, render_observation
 from models.loading import load_model_and_tokenizer
-from models.sft import WeightedSFTTrainer, build_sft_dataset, tokenize_conversation, train_sft
+from models.encoding import encode_rows, tokenize_conversation
+from models.losses import weighted_token_ce
+from models.trainer import train_candidate
 
 
 def expert_conversation(seed: int):
@@ -59,8 +61,9 @@ def test_labels_cover_exactly_the_episode_actions(tiny_path):
 def test_too_long_examples_are_dropped_and_counted(tiny_path):
     tok = AutoTokenizer.from_pretrained(tiny_path)
     msgs, tf = expert_conversation(1)
-    ds, dropped = build_sft_dataset(tok, [{"example_id": "a", "messages": msgs, "weight": 1.0, "train_from": tf}], 32)
-    assert len(ds) == 0 and dropped == 1
+    rows, counts = encode_rows(tok, [{"example_id": "a", "kind": "sft", "messages": msgs, "weight": 1.0,
+                                      "train_from": tf}], 32)
+    assert rows == [] and counts["too_long"] == counts["sft_too_long"] == 1
 
 
 def test_weighted_loss_scales_with_example_weight(tiny_path):
@@ -69,19 +72,23 @@ def test_weighted_loss_scales_with_example_weight(tiny_path):
     ids = tokenize_conversation(tok, msgs, tf)
     batch = {"input_ids": torch.tensor([ids["input_ids"]]), "labels": torch.tensor([ids["labels"]]),
              "attention_mask": torch.ones(1, len(ids["input_ids"]), dtype=torch.long)}
-    loss_fn = WeightedSFTTrainer.compute_loss
-    half = loss_fn(None, model, {**batch, "weights": torch.tensor([0.5])})
-    full = loss_fn(None, model, {**batch, "weights": torch.tensor([2.0])})
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits
+    half = weighted_token_ce(logits, batch["labels"], torch.tensor([0.5]))
+    full = weighted_token_ce(logits, batch["labels"], torch.tensor([2.0]))
     assert full.item() == pytest.approx(4 * half.item(), rel=1e-5)
+    # weight 1 is the model's own token-mean cross-entropy (what TRL's loss would give)
+    plain = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+    assert weighted_token_ce(logits, batch["labels"], torch.tensor([1.0])).item() == pytest.approx(plain.item(), rel=1e-5)
 
 
 def test_train_sft_learns_expert_actions(tiny_path, tmp_path):
     examples = []
     for seed in range(6):
         msgs, tf = expert_conversation(seed)
-        examples.append({"example_id": f"e{seed}", "messages": msgs, "weight": 1.0, "train_from": tf})
+        examples.append({"example_id": f"e{seed}", "kind": "sft", "messages": msgs, "weight": 1.0, "train_from": tf})
     cfg = TrainConfig(learning_rate=3e-3, epochs=4, batch_size=3)
-    metrics, used = train_sft(tiny_path, examples, tmp_path / "cand", cfg, seed=0)
+    metrics, used = train_candidate(tiny_path, examples, tmp_path / "cand", cfg, seed=0)
     assert used == [f"e{s}" for s in range(6)] or sorted(used) == sorted(f"e{s}" for s in range(6))
     assert metrics["steps"] == 8 and metrics["trained_tokens"] > 0
     assert math.isfinite(metrics["train_loss"]) and metrics["last_loss"] < metrics["first_loss"]
@@ -90,7 +97,7 @@ def test_train_sft_learns_expert_actions(tiny_path, tmp_path):
 
 
 def test_no_examples_gives_parent_copy(tiny_path, tmp_path):
-    metrics, used = train_sft(tiny_path, [], tmp_path / "cand", TrainConfig(), seed=0)
+    metrics, used = train_candidate(tiny_path, [], tmp_path / "cand", TrainConfig(), seed=0)
     assert metrics["examples"] == 0 and metrics["steps"] == 0 and used == []
     parent, _ = load_model_and_tokenizer(tiny_path)
     child, _ = load_model_and_tokenizer(tmp_path / "cand")
