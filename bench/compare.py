@@ -190,6 +190,12 @@ def merge_runs(out: Path, sources: list[Path]) -> list[str]:
         pass
     con = duckdb.connect(str(dest))
     copied = []
+
+    def done(db: str, run_id: str) -> int:
+        """The last completed round of `run_id` in the attached database `db` (-1: none)."""
+        return con.execute(f"SELECT coalesce(max(round), -1) FROM {db}.rounds"
+                           " WHERE run_id = ? AND status = 'completed'", [run_id]).fetchall()[0][0]
+
     try:
         tables = [t for (t,) in con.execute(
             "SELECT DISTINCT table_name FROM information_schema.columns WHERE table_catalog = current_database()"
@@ -201,16 +207,14 @@ def merge_runs(out: Path, sources: list[Path]) -> list[str]:
             alias = f"src{i}"
             con.execute(f"ATTACH '{path}' AS {alias} (READ_ONLY)")
             for (run_id,) in con.execute(f"SELECT run_id FROM {alias}.runs ORDER BY run_id").fetchall():
-                done = lambda db: con.execute(
-                    f"SELECT coalesce(max(round), -1) FROM {db}.rounds WHERE run_id = ? AND status = 'completed'",
-                    [run_id]).fetchall()[0][0]
                 exists = con.execute("SELECT count(*) FROM main.runs WHERE run_id = ?", [run_id]).fetchall()[0][0]
-                if exists and done("main") >= done(alias):
+                if exists and done("main", run_id) >= done(alias, run_id):
                     continue
                 con.begin()
                 for t in tables:
                     con.execute(f'DELETE FROM main."{t}" WHERE run_id = ?', [run_id])
-                    con.execute(f'INSERT INTO main."{t}" BY NAME SELECT * FROM {alias}."{t}" WHERE run_id = ?', [run_id])
+                    con.execute(f'INSERT INTO main."{t}" BY NAME SELECT * FROM {alias}."{t}" WHERE run_id = ?',
+                                [run_id])
                 con.commit()
                 copied.append(run_id)
             con.execute(f"DETACH {alias}")
@@ -238,18 +242,17 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 def run_rows(store, run_id: str) -> list[dict]:
     """Per round of one run (round 0 = the base): what the table aggregates."""
-    from tasks.common import fetch_dicts
     from tasks.report import heldout_series, round_rows
 
     rows = round_rows(store, run_id)
     if not rows:
         return []
     serving = heldout_series(rows)
-    rounds = {r["round"]: r for r in fetch_dicts(
-        store, "SELECT round, status, epoch(finished_at - started_at) AS wall_s, CAST(metrics AS VARCHAR) AS metrics"
+    rounds = {r["round"]: r for r in store.rows(
+        "SELECT round, status, epoch(finished_at - started_at) AS wall_s, CAST(metrics AS VARCHAR) AS metrics"
         " FROM rounds WHERE run_id = ?", [run_id])}
-    gen = {r["round"]: r for r in fetch_dicts(
-        store, "SELECT round, count(*) AS episodes, count(*) FILTER (WHERE success) AS successes,"
+    gen = {r["round"]: r for r in store.rows(
+        "SELECT round, count(*) AS episodes, count(*) FILTER (WHERE success) AS successes,"
         " coalesce(sum(gen_tokens), 0) AS gen_tokens FROM trajectories"
         " WHERE run_id = ? AND step = 'generate' GROUP BY round", [run_id])}
     out = [{"round": 0, "serving": serving[0][1], "candidate": None, "decision": None}]
@@ -261,7 +264,8 @@ def run_rows(store, run_id: str) -> list[dict]:
             "round": r["round"], "serving": served, "candidate": r["candidate_heldout"], "decision": r["decision"],
             "train_episodes": g.get("episodes", 0), "train_successes": g.get("successes", 0),
             "gen_tokens": int(g.get("gen_tokens", 0)),
-            "wall_s": _round(float(meta["wall_s"])) if meta.get("wall_s") is not None and meta.get("status") == "completed" else None,
+            "wall_s": (_round(float(meta["wall_s"]))
+                       if meta.get("wall_s") is not None and meta.get("status") == "completed" else None),
             "steps_s": _round(sum(r["step_seconds"].values())),
             "step_seconds": r["step_seconds"],
             "extras": {k: v for k, v in _flatten({k: v for k, v in metrics.items() if k not in _SHOWN}).items()},
@@ -324,8 +328,9 @@ def aggregate(data: dict, arms: list[str], seeds: list[int]) -> tuple[list[dict]
             decisions = [r["decision"] for r in rows if r["decision"]]
             agg = {
                 "arm": arm, "round": rnd, "seeds": len(rows),
-                "serving_per_seed": {s: (f"{int(r['serving']['successes'])}/{int(r['serving']['n'])}" if r["serving"] else None)
-                                     for s, r in per},
+                "serving_per_seed": {
+                    s: f"{int(r['serving']['successes'])}/{int(r['serving']['n'])}" if r["serving"] else None
+                    for s, r in per},
                 "serving": serving, "candidate": cand,
                 "decisions": {d: decisions.count(d) for d in dict.fromkeys(decisions)},
                 "train_episodes": sum(r.get("train_episodes", 0) for r in rows),
@@ -411,7 +416,8 @@ def write_runs_csv(data: dict, extra_keys: list[str], path: Path) -> None:
                 s, c = r["serving"] or {}, r["candidate"] or {}
                 w.writerow([arm, seed, r["round"], s.get("successes"), s.get("n"), c.get("successes"), c.get("n"),
                             r["decision"], r.get("train_episodes"), r.get("train_successes"), r.get("gen_tokens"),
-                            r.get("wall_s"), r.get("steps_s"), json.dumps(r.get("step_seconds")) if r["round"] else None,
+                            r.get("wall_s"), r.get("steps_s"),
+                            json.dumps(r.get("step_seconds")) if r["round"] else None,
                             *[r.get("extras", {}).get(k) for k in extra_keys]])
 
 

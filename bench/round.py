@@ -7,9 +7,9 @@ folder unless --store / --run-dir) and attributes every second of its wall time 
 by wrapping functions from outside (no pipeline code changes):
 
     generate    HFBackend.generate (tokenize, prefill, decode, detokenize)
-    model load  HFBackend construction/reload, resolving the base checkpoint
+    model load  HFBackend construction and weight loads (redeploy included), resolving the base checkpoint
     env         the env class's methods (reset, step, admissible actions, hindsight, sampling tasks, ...)
-    train       models.sft.train_sft (TRL SFTTrainer: dataset, steps, saving the checkpoint)
+    train       models.trainer.train_candidate (TRL SFTTrainer: dataset, steps, saving the checkpoint)
     store       Store methods, its step transactions (enter/exit), and SQL through `store.con`
     report      the per-round table and PNG plot the deploy step writes (tasks.report)
     prefect     everything outside the flow and task bodies (the flow/task engines, state and
@@ -141,10 +141,11 @@ class TimedProxy:
 
 def instrument(env_name: str) -> None:
     """Wrap the functions each category is made of (idempotent)."""
+    import prefect.tasks
+
     import models.hf_backend as hb
     import models.loading as loading
-    import models.sft as sft
-    import prefect.tasks
+    import models.trainer as trainer
     import tasks.deploy as deploy
     import tasks.report as report
     from envs import make_env
@@ -153,11 +154,11 @@ def instrument(env_name: str) -> None:
 
     patch(hb.HFBackend, "generate", "generate")
     patch(hb.HFBackend, "__init__", "model load")
-    patch(hb.HFBackend, "reload", "model load")
+    patch(hb.HFBackend, "_load", "model load")
     patch(loading, "resolve_base_model", "model load")
     import tasks.setup
     patch(tasks.setup, "resolve_base_model", "model load")
-    patch(sft, "train_sft", "train")
+    patch(trainer, "train_candidate", "train")
 
     env_cls = type(make_env(env_name))
     for name in ("__init__", "reset", "step", "admissible_actions", "hindsight", "canonicalize", "sample_tasks",
@@ -169,7 +170,7 @@ def instrument(env_name: str) -> None:
         if callable(fn) and name not in ("step", "__enter__") and (not name.startswith("_") or name in (
                 "__init__", "__exit__", "_insert")):
             patch(Store, name, "store")
-    for name in ("insert", "execute"):
+    for name in ("insert", "execute", "set_model_role"):
         patch(StepWriter, name, "store")
     if not getattr(Store.step, "__bench_wrapped__", False):
         Store.step = _timed_step(Store.step)
@@ -304,12 +305,14 @@ def print_round(rnd: int, wall: float, secs: dict, calls: dict, startup_s: float
     from stores.store import Store
 
     with Store(cfg.run.store, read_only=True) as store:
-        steps = store.con.execute("SELECT step, epoch(finished_at - started_at) FROM steps WHERE run_id = ? AND round = ?"
-                                  " AND status = 'completed' ORDER BY started_at", [cfg.run.name, rnd]).fetchall()
+        steps = store.con.execute("SELECT step, epoch(finished_at - started_at) FROM steps"
+                                  " WHERE run_id = ? AND round = ? AND status = 'completed' ORDER BY started_at",
+                                  [cfg.run.name, rnd]).fetchall()
         decision = store.con.execute("SELECT decision FROM gate_decisions WHERE run_id = ? AND round = ?",
                                      [cfg.run.name, rnd]).fetchall()
         gen = store.con.execute("SELECT count(*), count(*) FILTER (WHERE success) FROM trajectories"
-                                " WHERE run_id = ? AND round = ? AND step = 'generate'", [cfg.run.name, rnd]).fetchall()[0]
+                                " WHERE run_id = ? AND round = ? AND step = 'generate'",
+                                [cfg.run.name, rnd]).fetchall()[0]
         n_ex = store.con.execute("SELECT count(*) FROM examples WHERE run_id = ? AND round = ?",
                                  [cfg.run.name, rnd]).fetchall()[0][0]
     total = sum(secs.values())

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class _Section(BaseModel):
@@ -47,17 +47,39 @@ class ModelConfig(_Section):
     trust_remote_code: bool = Field(False, description="Allow custom model code from the checkpoint. Off unless you trust it.")
 
 
-class BackendConfig(_Section):
-    kind: Literal["hf"] = Field("hf", description="Generation backend. 'hf' (transformers generate) is the one built; vllm and openai come later.")
-    max_batch_size: int = Field(16, ge=1, description="Most conversations per generate call; larger batches are split.")
-    max_new_tokens: int = Field(24, ge=1, description="Most tokens per action.")
+class HFBackendConfig(_Section):
+    max_batch_size: int = Field(16, ge=1, description="Most conversations per generate call; larger batches are split (the 2-core CPU slows down sharply above 16).")
     kv_reuse: bool = Field(
         False,
         description="Keep each conversation's KV cache between calls and prefill only the new tokens of the next "
         "turn (longest common token prefix); outputs are the same, prefill per episode drops to about its final context.",
     )
+
+
+class BackendConfig(_Section):
+    kind: str = Field("hf", description="Generation backend, a key of models.backend.BACKENDS: 'hf' (transformers generate, CPU or one GPU). Its options are in the section of the same name.")
+    max_new_tokens: int = Field(24, ge=1, description="Most tokens per action.")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature for training rollouts (0 = greedy).")
     top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus sampling mass for training rollouts.")
+    hf: HFBackendConfig = Field(default_factory=HFBackendConfig, description="Options of the 'hf' backend.")
+
+    @model_validator(mode="after")
+    def _known_kind_and_no_foreign_options(self) -> "BackendConfig":
+        from models.backend import BACKENDS
+
+        if self.kind not in BACKENDS:
+            raise ValueError(f"backend.kind: unknown backend {self.kind!r}; known: {sorted(BACKENDS)}")
+        for name, field in type(self).model_fields.items():
+            section = getattr(self, name)
+            if isinstance(section, BaseModel) and name != self.kind and section.model_fields_set:
+                raise ValueError(f"backend.{name}: options of the {name!r} backend, but backend.kind is "
+                                 f"{self.kind!r} (an option a backend can't honour is an error)")
+        return self
+
+    def options(self) -> dict[str, Any]:
+        """The chosen backend's own options (its section), as keyword arguments for its `open`."""
+        section = getattr(self, self.kind, None)
+        return section.model_dump() if isinstance(section, BaseModel) else {}
 
 
 class EnvConfig(_Section):
@@ -114,10 +136,11 @@ class SrdConfig(_Section):
 
 
 class DistillConfig(_Section):
-    methods: list[Literal["exit", "srd"]] = Field(
+    methods: list[str] = Field(
         ["exit"], min_length=1,
-        description="Methods that make training signal this round: exit (SFT on successes), srd (hindsight notes "
-        "from failures distilled into foresight; trained alongside exit's SFT with weight srd.loss_weight = λ).")
+        description="Methods that make training signal this round (tasks/methods: METHODS, or 'package.module:Class' "
+        "of your own Method): exit (SFT on successes), srd (hindsight notes from failures distilled into foresight; "
+        "trained alongside exit's SFT with weight srd.loss_weight = λ).")
     exit: ExitConfig = Field(default_factory=ExitConfig, description="ExIt: SFT on successful trajectories.")
     srd: SrdConfig = Field(default_factory=SrdConfig, description="SRD: Self-Retrospection Distillation (METHODS.md §1).")
 

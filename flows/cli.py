@@ -94,7 +94,7 @@ def cmd_serve(args) -> None:
 
 def cmd_status(args) -> None:
     files, cfg = _load(args)
-    from tasks.common import fetch_dicts, open_store
+    from tasks.common import open_store
 
     with open_store(cfg, read_only=True) as store:
         run = store.get_run(cfg.run.name)
@@ -102,8 +102,7 @@ def cmd_status(args) -> None:
             sys.exit(f"rsiflow: no run {cfg.run.name!r} in {cfg.run.store}")
         print(f"run {cfg.run.name!r}  store {cfg.run.store}")
         print(f"champion: {store.champion(cfg.run.name)}   completed rounds: {max(0, store.last_completed_round(cfg.run.name))}")
-        for r in fetch_dicts(store, "SELECT round, step, status, started_at, finished_at, error FROM steps"
-                             " WHERE run_id = ? ORDER BY round, started_at", [cfg.run.name]):
+        for r in store.step_history(cfg.run.name):
             err = f"  {r['error'].splitlines()[0]}" if r["error"] else ""
             print(f"  round {r['round']:>2}  {r['step']:<9} {r['status']:<10} {r['finished_at'] or ''}{err}")
 

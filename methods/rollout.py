@@ -65,10 +65,23 @@ class Episode:
         return self.status == "running"
 
 
+_ADMISSIBLE_HEAD = "\nValid actions:\n"
+_ACTION_PROMPT = "\nYour action:"
+
+
 def render_observation(observation: str, admissible: list[str] | None, show_admissible: bool) -> str:
+    """The user message of a turn: the env's observation, the admissible actions (one a line) when shown,
+    then "Your action:". `env_observation` inverts it."""
     if show_admissible and admissible:
-        return observation + "\nValid actions:\n" + "\n".join(admissible) + "\nYour action:"
-    return observation + "\nYour action:"
+        return observation + _ADMISSIBLE_HEAD + "\n".join(admissible) + _ACTION_PROMPT
+    return observation + _ACTION_PROMPT
+
+
+def env_observation(rendered: str) -> str:
+    """The env's own observation inside a message `render_observation` made (the action list and prompt cut off)."""
+    text = rendered.removesuffix(_ACTION_PROMPT)
+    head = text.rfind(_ADMISSIBLE_HEAD)
+    return text[:head] if head >= 0 else text
 
 
 def project_action(text: str, admissible: list[str] | None) -> str:
@@ -138,12 +151,13 @@ def run_episodes(
             _fail(ep, env, exc)
         envs.append(env)
 
+    tools = next((env.tools() for env in envs if env is not None), None)  # one env class: the same schemas
     for turn_idx in range(max_turns):
         live = [i for i, ep in enumerate(episodes) if ep.live]
         if not live:
             break
         t0 = time.perf_counter()
-        gens = backend.generate([episodes[i].messages for i in live], params)
+        gens = backend.generate([episodes[i].messages for i in live], params, tools=tools)
         dt = (time.perf_counter() - t0) / len(live)
         for i, gen in zip(live, gens):
             ep, env = episodes[i], envs[i]

@@ -1,15 +1,28 @@
-"""The generation-backend protocol shared by `hf`, `vllm` and `openai` backends.
+"""The generation-backend protocol and the registry of backends, keyed by `backend.kind`.
 
 A backend takes a batch of chat conversations (lists of {"role", "content"} messages), applies
-the model's chat template with a generation prompt, samples one completion per conversation and
-returns text, token ids, per-token *sampling* logprobs (log-probabilities of the sampled tokens
-under the distribution actually sampled from, i.e. after temperature/top-p) and a finish reason.
+the model's chat template with a generation prompt (and the env's tool schemas, where it has
+any), samples one completion per conversation and returns text, token ids, per-token *sampling*
+logprobs (log-probabilities of the sampled tokens under the distribution actually sampled from,
+i.e. after temperature/top-p) and a finish reason.
+
+Redeploy is part of the protocol: `serve(model_path)` makes a backend serve another checkpoint
+from then on (the `hf` backend reloads the weights in its process) and returns a record of what
+it did, which the deploy step stores with the round.
+
+A new backend is one module with a class that has `open` (a classmethod: a backend serving a
+checkpoint, built or reused), `generate` and `serve`, named in `BACKENDS`; its options get their
+own section of the config (`backend.<kind>`, configs/schema.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from importlib import import_module
+from typing import Any, Protocol
+
+# backend.kind -> "module:Class", imported on first use (a backend may need packages others don't).
+BACKENDS: dict[str, str] = {"hf": "models.hf_backend:HFBackend"}
 
 
 @dataclass(frozen=True)
@@ -32,12 +45,34 @@ class Generation:
 
 
 class GenerationBackend(Protocol):
+    kind: str
     model_path: str
 
-    def generate(self, conversations: list[list[dict]], params: SamplingParams) -> list[Generation]:
-        """One batched call: one Generation per conversation, same order."""
+    @classmethod
+    def open(cls, model_path: str, *, dtype: str, trust_remote_code: bool, **options: Any) -> GenerationBackend:
+        """A backend serving `model_path` with these options (it may reuse one the process already holds)."""
         ...
 
-    def reload(self, model_path: str) -> None:
-        """Serve another checkpoint (the new champion) from now on."""
+    def generate(self, conversations: list[list[dict]], params: SamplingParams,
+                 tools: list[dict] | None = None) -> list[Generation]:
+        """One batched call: one Generation per conversation, same order. `tools` (JSON schemas) go to the
+        chat template of every conversation."""
         ...
+
+    def serve(self, model_path: str) -> dict:
+        """Redeploy: serve `model_path` from now on. Returns what was done (kind, action, path, seconds)."""
+        ...
+
+
+def backend_class(kind: str) -> type:
+    """The class registered for `kind`; ValueError naming the known kinds otherwise."""
+    if kind not in BACKENDS:
+        raise ValueError(f"unknown backend kind {kind!r}: known kinds are {sorted(BACKENDS)}")
+    module, _, name = BACKENDS[kind].partition(":")
+    return getattr(import_module(module), name)
+
+
+def open_backend(kind: str, model_path: str, *, dtype: str = "float32", trust_remote_code: bool = False,
+                 **options: Any) -> GenerationBackend:
+    """A `kind` backend serving `model_path` (see each backend's `open` for what it reuses)."""
+    return backend_class(kind).open(str(model_path), dtype=dtype, trust_remote_code=trust_remote_code, **options)

@@ -11,8 +11,8 @@ SmolLM2's chat template has no `{% generation %}` markers, so TRL's `assistant_o
 assistant spans: conversations are tokenized here and labels masked. Each assistant span is the
 tokens between the rendered prefix with a generation prompt and the rendered prefix that includes the
 message: the action text plus the end-of-turn token, exactly what the backend sampled (and the stop
-that ended it). `tools` (JSON schemas, the env's `tools()`) go to the chat template as the backend
-passes them, so training renders the same prompt generation saw.
+that ended it). A row's optional `tools` (JSON schemas, the env's `tools()`) go to the chat template
+as the backend passed them when it sampled, so training renders the prompt generation saw.
 """
 
 from __future__ import annotations
@@ -83,8 +83,7 @@ def encode_pair(tokenizer, student: list[dict], teacher: list[dict], train_from:
             "sampled_logprobs": logps, "sampled_match": sampled_match}
 
 
-def encode_rows(tokenizer, rows: list[dict], max_length: int,
-                tools: list[dict] | None = None) -> tuple[list[dict], dict[str, int]]:
+def encode_rows(tokenizer, rows: list[dict], max_length: int) -> tuple[list[dict], dict[str, int]]:
     """Tokenize training rows of every kind into one schema (SFT rows have empty teacher columns).
 
     Returns (encoded rows, counts): `too_long` rows (longer than `max_length` tokens, either
@@ -93,7 +92,7 @@ def encode_rows(tokenizer, rows: list[dict], max_length: int,
     out, counts = [], {"too_long": 0, "misaligned": 0, "sampled_match": 0,
                        "sft_too_long": 0, "distill_too_long": 0}
     for row in rows:
-        kind = row.get("kind", "sft")
+        kind, tools = row.get("kind", "sft"), row.get("tools")
         if kind == "sft":
             enc = tokenize_conversation(tokenizer, row["messages"], int(row.get("train_from") or 0), tools)
             enc.update(teacher_input_ids=[], student_pos=[], teacher_pos=[], sampled_logprobs=[])

@@ -37,7 +37,7 @@ finished rows from the batch. `prompt_tokens` stays the full prompt; `extra["pre
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,9 +71,11 @@ class _KVEntry:
 class HFBackend:
     """GenerationBackend on transformers `generate` (CPU default; also runs on one GPU)."""
 
+    kind = "hf"
+
     def __init__(self, model_path: str | Path, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, dtype: str = "float32",
                  device: str | None = None, kv_reuse: bool = False,
-                 kv_store_max_tokens: int = DEFAULT_KV_STORE_MAX_TOKENS):
+                 kv_store_max_tokens: int = DEFAULT_KV_STORE_MAX_TOKENS, trust_remote_code: bool = False):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if kv_store_max_tokens < 0:
@@ -83,11 +85,29 @@ class HFBackend:
         self.kv_store_max_tokens = kv_store_max_tokens
         self._kv_store: list[_KVEntry] = []
         self.dtype = dtype
+        self.trust_remote_code = trust_remote_code
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.reload(model_path)
+        self._load(model_path)
 
-    def reload(self, model_path: str | Path) -> None:
-        model, tokenizer = load_model_and_tokenizer(model_path, dtype=self.dtype)
+    @classmethod
+    def open(cls, model_path: str | Path, *, dtype: str = "float32", trust_remote_code: bool = False,
+             **options) -> "HFBackend":
+        """The process-wide backend serving `model_path` with these options (loaded once, then reused by
+        later pipeline steps); see `get_backend`."""
+        return get_backend(model_path, dtype=dtype, trust_remote_code=trust_remote_code, **options)
+
+    def serve(self, model_path: str | Path) -> dict:
+        """Redeploy in this process: load `model_path`'s weights into this backend (nothing to do when it
+        already serves them). Returns {kind, action, path, seconds}."""
+        start = time.perf_counter()
+        if Path(model_path).resolve() == Path(self.model_path).resolve():
+            return {"kind": self.kind, "action": "already serving", "path": str(model_path), "seconds": 0.0}
+        self._load(model_path)
+        return {"kind": self.kind, "action": "reloaded weights in process", "path": str(model_path),
+                "seconds": round(time.perf_counter() - start, 2)}
+
+    def _load(self, model_path: str | Path) -> None:
+        model, tokenizer = load_model_and_tokenizer(model_path, dtype=self.dtype, trust_remote_code=self.trust_remote_code)
         saved = model.generation_config
         # Sampling settings come from SamplingParams only: drop whatever the checkpoint suggests.
         model.generation_config = GenerationConfig(
@@ -116,12 +136,14 @@ class HFBackend:
         """Tokens whose keys/values are kept for reuse now."""
         return sum(len(entry.ids) for entry in self._kv_store)
 
-    def generate(self, conversations: list[list[dict]], params: SamplingParams) -> list[Generation]:
+    def generate(self, conversations: list[list[dict]], params: SamplingParams,
+                 tools: list[dict] | None = None) -> list[Generation]:
         if not conversations:
             return []
         if params.temperature < 0 or not 0 < params.top_p <= 1 or params.max_new_tokens < 1:
             raise ValueError(f"invalid sampling params {params}")
-        texts = self.tokenizer.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False)
+        texts = self.tokenizer.apply_chat_template(conversations, tools=tools, add_generation_prompt=True,
+                                                   tokenize=False)
         prompts = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
         if self.kv_reuse:
             # The old entries live on only in `matches`, each dropped once its chunk is prefilled.
@@ -384,25 +406,25 @@ class _SampledLogprobs(LogitsProcessor):
         return torch.stack(self.steps, dim=1).cpu()
 
 
-_BACKENDS: OrderedDict[tuple, HFBackend] = OrderedDict()
-_MAX_CACHED_BACKENDS = 2  # e.g. the champion and a judge; each SmolLM2-135M copy is ~0.55 GB in fp32
+_BACKENDS: list[tuple[tuple, HFBackend]] = []  # (options, backend), least recently used first
+_MAX_CACHED_BACKENDS = 2  # e.g. the champion and a candidate; each SmolLM2-135M copy is ~0.55 GB in fp32
 
 
 def get_backend(model_path: str | Path, **kwargs) -> HFBackend:
-    """A process-wide HFBackend for this checkpoint, loaded once and reused by later pipeline steps.
-
-    Keeps the two most recently used backends. Don't `reload()` a backend obtained here (ask for
-    the new path instead): a reloaded backend no longer matches its cache entry and is dropped.
+    """A process-wide HFBackend serving this checkpoint with these options, loaded once and reused by
+    later pipeline steps. Keeps the two most recently used. A backend redeployed with `serve()` is
+    found under the checkpoint it serves now.
     """
-    key = (str(Path(model_path).resolve()), tuple(sorted(kwargs.items())))
-    backend = _BACKENDS.get(key)
-    if backend is not None and Path(backend.model_path).resolve() == Path(model_path).resolve():
-        _BACKENDS.move_to_end(key)
-        return backend
-    _BACKENDS.pop(key, None)
+    options = tuple(sorted(kwargs.items()))
+    path = Path(model_path).resolve()
+    for i, (opts, backend) in enumerate(_BACKENDS):
+        if opts == options and Path(backend.model_path).resolve() == path:
+            _BACKENDS.append(_BACKENDS.pop(i))
+            return backend
     while len(_BACKENDS) >= _MAX_CACHED_BACKENDS:
-        _BACKENDS.popitem(last=False)
-    backend = _BACKENDS[key] = HFBackend(model_path, **kwargs)
+        _BACKENDS.pop(0)
+    backend = HFBackend(model_path, **kwargs)
+    _BACKENDS.append((options, backend))
     return backend
 
 

@@ -181,7 +181,6 @@ def train_candidate(
     dtype: str = "float32",
     on_step=None,
     distill: DistillLoss | None = None,
-    tools: list[dict] | None = None,
     trust_remote_code: bool = False,
 ) -> tuple[dict[str, Any], list]:
     """Train a candidate from `model_path` on training rows (models/encoding.py: kind "sft" or
@@ -196,7 +195,7 @@ def train_candidate(
     from datasets import Dataset
 
     model, tokenizer = load_model_and_tokenizer(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
-    encoded, counts = encode_rows(tokenizer, rows, cfg.max_length, tools)
+    encoded, counts = encode_rows(tokenizer, rows, cfg.max_length)
     sft = [r for r in encoded if r["kind"] != DISTILL]
     dis = [r for r in encoded if r["kind"] == DISTILL]
     distill = distill or DistillLoss()

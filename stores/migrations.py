@@ -222,9 +222,16 @@ CREATE TABLE foresight (
 """
 
 # (version, name, sql). Append only.
+# What a step reports about itself (e.g. the distill step: each method's per-round figures, keyed by
+# method name), written in the step's own transaction.
+STEP_METRICS = """
+ALTER TABLE steps ADD COLUMN metrics JSON;
+"""
+
 MIGRATIONS: list[tuple[int, str, str]] = [
     (1, "initial schema", INITIAL_SCHEMA),
     (2, "SRD notes and foresight pairs", SRD_TABLES),
+    (3, "per-step metrics (each method's figures of the distill step)", STEP_METRICS),
 ]
 
 

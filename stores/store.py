@@ -66,6 +66,7 @@ class StepWriter:
         self.run_id = run_id
         self.round = round
         self.step = step
+        self.step_metrics: dict | None = None
 
     def insert(self, table: str, rows: Rows) -> int:
         """Insert rows into `table`; return how many.
@@ -84,6 +85,16 @@ class StepWriter:
         that holds an unfinished result.
         """
         return self.store.con.execute(sql, params).fetchall()
+
+    def set_model_role(self, model_id: str, role: str) -> None:
+        """Change a registered model's role (candidate → champion or rejected); LookupError if it is unknown."""
+        changed = self.execute("UPDATE models SET role = ? WHERE model_id = ?", [role, model_id])[0][0]
+        if not changed:
+            raise LookupError(f"model {model_id!r} is not in the store's registry")
+
+    def metrics(self, metrics: dict) -> None:
+        """Record what this step reports about itself (stored in `steps.metrics` when the step commits)."""
+        self.step_metrics = metrics
 
 
 class Store:
@@ -240,7 +251,8 @@ class Store:
         con.begin()
         try:
             con.execute(
-                "INSERT OR REPLACE INTO steps VALUES (?, ?, ?, 'running', ?, NULL, NULL)",
+                "INSERT OR REPLACE INTO steps (run_id, round, step, status, started_at, finished_at, error, metrics)"
+                " VALUES (?, ?, ?, 'running', ?, NULL, NULL, NULL)",
                 [run_id, round, step, started],
             )
             for table in sorted(self.step_tables):
@@ -248,17 +260,19 @@ class Store:
                     f'DELETE FROM "{table}" WHERE run_id = ? AND round = ? AND step = ?',
                     [run_id, round, step],
                 )
-            yield StepWriter(self, run_id, round, step)
+            writer = StepWriter(self, run_id, round, step)
+            yield writer
             con.execute(
-                "UPDATE steps SET status = 'completed', finished_at = ?"
+                "UPDATE steps SET status = 'completed', finished_at = ?, metrics = ?"
                 " WHERE run_id = ? AND round = ? AND step = ?",
-                [_utcnow(), run_id, round, step],
+                [_utcnow(), _json_text(writer.step_metrics), run_id, round, step],
             )
             con.commit()
         except BaseException as err:
             con.rollback()
             con.execute(
-                "INSERT OR REPLACE INTO steps VALUES (?, ?, ?, 'failed', ?, ?, ?)",
+                "INSERT OR REPLACE INTO steps (run_id, round, step, status, started_at, finished_at, error, metrics)"
+                " VALUES (?, ?, ?, 'failed', ?, ?, ?, NULL)",
                 [run_id, round, step, started, _utcnow(), f"{type(err).__name__}: {err}"],
             )
             raise
@@ -283,12 +297,12 @@ class Store:
 
     def get_run(self, run_id: str) -> dict | None:
         """The run's row with its config parsed, or None."""
-        rows = self._dicts("SELECT * FROM runs WHERE run_id = ?", [run_id], json_cols=("config",))
+        rows = self.rows("SELECT * FROM runs WHERE run_id = ?", [run_id], json_cols=("config",))
         return rows[0] if rows else None
 
     def list_runs(self) -> list[dict]:
         """All runs, oldest first, configs parsed."""
-        return self._dicts("SELECT * FROM runs ORDER BY created_at, run_id", json_cols=("config",))
+        return self.rows("SELECT * FROM runs ORDER BY created_at, run_id", json_cols=("config",))
 
     def start_round(self, run_id: str, round: int, champion_before: str | None) -> None:
         """Mark a round running. Starting it again (resume) keeps its original started_at."""
@@ -383,6 +397,96 @@ class Store:
             paths[table] = path
         return paths
 
+    # ---- what the pipeline steps read -----------------------------------------------------------
+
+    def model_path(self, model_id: str) -> str:
+        """The checkpoint path of a registered model; LookupError if it is not registered."""
+        rows = self._con.execute("SELECT path FROM models WHERE model_id = ?", [model_id]).fetchall()
+        if not rows:
+            raise LookupError(f"model {model_id!r} is not in the store's registry")
+        return rows[0][0]
+
+    def has_model(self, model_id: str) -> bool:
+        """Whether `model_id` is registered (e.g. the round's candidate was trained)."""
+        return bool(self._con.execute("SELECT count(*) FROM models WHERE model_id = ?", [model_id]).fetchall()[0][0])
+
+    def train_metrics(self, model_id: str | None) -> dict:
+        """The training metrics recorded with a model ({} for none, or an untrained model)."""
+        if model_id is None:
+            return {}
+        rows = self.rows("SELECT train_metrics FROM models WHERE model_id = ?", [model_id], json_cols=("train_metrics",))
+        return (rows[0]["train_metrics"] or {}) if rows else {}
+
+    def step_tasks(self, run_id: str, round: int, step: str) -> list[dict]:
+        """The tasks a step played: task_id, env, split, task_type, seed, spec (JSON text)."""
+        return self.rows("SELECT task_id, env, split, task_type, seed, spec FROM tasks"
+                         " WHERE run_id = ? AND round = ? AND step = ? ORDER BY task_id", [run_id, round, step])
+
+    def step_trajectories(self, run_id: str, round: int, step: str) -> list[dict]:
+        """Every column of a step's trajectories, by traj_id, joined with their task's task_type."""
+        return self.rows("SELECT t.*, k.task_type FROM trajectories t LEFT JOIN tasks k"
+                         " ON k.task_id = t.task_id AND k.run_id = t.run_id AND k.round = t.round AND k.step = t.step"
+                         " WHERE t.run_id = ? AND t.round = ? AND t.step = ? ORDER BY t.traj_id",
+                         [run_id, round, step])
+
+    def step_turns(self, run_id: str, round: int, step: str) -> list[dict]:
+        """A step's turns in order (traj_id, turn_idx): observation as shown, executed action, the raw
+        generated text when projection changed it, validity and the env's feedback."""
+        return self.rows("SELECT traj_id, turn_idx, observation, action_text, raw_text, valid, feedback FROM turns"
+                         " WHERE run_id = ? AND round = ? AND step = ? ORDER BY traj_id, turn_idx",
+                         [run_id, round, step])
+
+    def eval_trajectories(self, run_id: str, model_id: str) -> list[dict]:
+        """A model's held-out (purpose 'eval') trajectories of the run, newest round first."""
+        return self.rows("SELECT traj_id, task_id, success, gen_tokens, round FROM trajectories"
+                         " WHERE run_id = ? AND model_id = ? AND purpose = 'eval' ORDER BY round DESC, traj_id",
+                         [run_id, model_id])
+
+    def foresight_pairs(self, run_id: str, round: int) -> dict[str, dict]:
+        """The round's privileged-teacher pairs by foresight_id: student and teacher messages (parsed),
+        train_from, the student's sampled completion ids and their sampling logprobs."""
+        rows = self.rows("SELECT foresight_id, student_messages, teacher_messages, train_from, completion_ids,"
+                         " sampling_logprobs FROM foresight WHERE run_id = ? AND round = ? AND step = 'distill'",
+                         [run_id, round], json_cols=("student_messages", "teacher_messages"))
+        return {r["foresight_id"]: r for r in rows}
+
+    def latest_heldout(self, run_id: str, model_id: str | None) -> dict | None:
+        """A model's newest held-out evaluation over all task types: success_rate, ci_low, ci_high, n,
+        successes, tokens_per_success; None if it has none."""
+        if model_id is None:
+            return None
+        rows = self.rows("SELECT success_rate, ci_low, ci_high, n, successes, tokens_per_success FROM evaluations"
+                         " WHERE run_id = ? AND model_id = ? AND split = 'heldout' AND task_type = '*'"
+                         " ORDER BY round DESC LIMIT 1", [run_id, model_id])
+        return rows[0] if rows else None
+
+    def projected_share(self, run_id: str, round: int) -> float | None:
+        """Share of the round's generated actions that projection replaced (None without turns)."""
+        return self._con.execute("SELECT avg(CASE WHEN raw_text IS NULL THEN 0 ELSE 1 END) FROM turns"
+                                 " WHERE run_id = ? AND round = ? AND step = 'generate'", [run_id, round]).fetchall()[0][0]
+
+    def count_examples(self, run_id: str, round: int) -> int:
+        """Training examples the round's distill step wrote (all methods)."""
+        return self._con.execute("SELECT count(*) FROM examples WHERE run_id = ? AND round = ?",
+                                 [run_id, round]).fetchall()[0][0]
+
+    def step_seconds(self, run_id: str, round: int) -> dict[str, float]:
+        """Wall seconds of each completed step of the round."""
+        rows = self._con.execute("SELECT step, epoch(finished_at - started_at) FROM steps"
+                                 " WHERE run_id = ? AND round = ? AND status = 'completed'", [run_id, round]).fetchall()
+        return {step: float(s) for step, s in rows}
+
+    def step_metrics(self, run_id: str, round: int, step: str) -> dict | None:
+        """What a completed step recorded about itself (`StepWriter.metrics`), or None."""
+        rows = self.rows("SELECT metrics FROM steps WHERE run_id = ? AND round = ? AND step = ? AND status = 'completed'",
+                         [run_id, round, step], json_cols=("metrics",))
+        return rows[0]["metrics"] if rows else None
+
+    def step_history(self, run_id: str) -> list[dict]:
+        """Every step attempt's last state: round, step, status, started/finished, error."""
+        return self.rows("SELECT round, step, status, started_at, finished_at, error FROM steps"
+                         " WHERE run_id = ? ORDER BY round, started_at", [run_id])
+
     # ---- lineage --------------------------------------------------------------------------
 
     def trajectory_lineage(self, run_id: str) -> list[dict]:
@@ -394,7 +498,7 @@ class Store:
             FROM trajectories t LEFT JOIN models m USING (model_id)
             WHERE t.run_id = ?
         """
-        return self._dicts(
+        return self.rows(
             "SELECT t.traj_id, t.round, t.step, t.task_id, t.purpose, t.success, t.reward,"
             " t.model_id, m.path AS model_path, m.role AS model_role"
             " FROM trajectories t LEFT JOIN models m USING (model_id)"
@@ -412,7 +516,7 @@ class Store:
             LEFT JOIN trajectories t ON t.traj_id = e.source_traj_id
             WHERE i.model_id = ?
         """
-        return self._dicts(
+        return self.rows(
             "SELECT e.example_id, e.method, e.weight, e.messages, e.source_traj_id,"
             " e.round, e.step, t.model_id AS source_model_id, t.success AS source_success"
             " FROM train_inputs i"
@@ -430,15 +534,16 @@ class Store:
             SELECT round, candidate_id, champion_id, decision, rule, evidence, new_champion_id
             FROM gate_decisions WHERE run_id = ? ORDER BY round, decided_at
         """
-        return self._dicts(
+        return self.rows(
             "SELECT round, step, candidate_id, champion_id, decision, rule, evidence, new_champion_id"
             " FROM gate_decisions WHERE run_id = ? ORDER BY round, decided_at",
             [run_id],
             json_cols=("evidence",),
         )
 
-    def _dicts(self, sql: str, params: list | None = None, json_cols: tuple[str, ...] = ()) -> list[dict]:
-        """Run a query and return its rows as dicts, parsing the named JSON columns."""
+    def rows(self, sql: str, params: list | None = None, json_cols: tuple[str, ...] = ()) -> list[dict]:
+        """Run a query and return its rows as dicts, parsing the named JSON columns. For benches and ad-hoc
+        analysis; pipeline steps call the named methods above (steps hold no SQL)."""
         rows = self._con.sql(sql, params=params).to_dicts()
         for row in rows:
             for col in json_cols:

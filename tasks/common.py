@@ -35,24 +35,18 @@ def env_factory(cfg: Config):
 
 
 def backend_for(cfg: Config, model_path: str):
-    from models.hf_backend import get_backend
+    """The configured generation backend (`backend.kind`, its own options section) serving `model_path`."""
+    from models.backend import open_backend
 
-    return get_backend(model_path, max_batch_size=cfg.backend.max_batch_size, dtype=cfg.model.dtype,
-                       kv_reuse=cfg.backend.kv_reuse)
-
-
-def model_path(store: Store, model_id: str) -> str:
-    rows = store.con.execute("SELECT path FROM models WHERE model_id = ?", [model_id]).fetchall()
-    if not rows:
-        raise LookupError(f"model {model_id!r} is not in the store's registry")
-    return rows[0][0]
+    return open_backend(cfg.backend.kind, model_path, dtype=cfg.model.dtype,
+                        trust_remote_code=cfg.model.trust_remote_code, **cfg.backend.options())
 
 
 def serving_champion(cfg: Config) -> tuple[str, str]:
     """(model id, checkpoint path) of the run's champion, read from the store's registry."""
     with open_store(cfg) as store:
         champion = store.champion(cfg.run.name)
-        return champion, model_path(store, champion)
+        return champion, store.model_path(champion)
 
 
 def sampling(cfg: Config, temperature: float, seed: int) -> SamplingParams:
@@ -98,13 +92,14 @@ def run_dir(cfg: Config) -> Path:
     return d
 
 
-def prefix_messages(cfg: Config) -> list[dict]:
-    """The prompt prefix every episode of this config starts with (system + few-shot turns)."""
+def prompt_setup(cfg: Config) -> tuple[list[dict], list[dict] | None]:
+    """The prompt prefix every episode of this config starts with (system + few-shot turns) and the env's
+    tool schemas for the chat template (None where it has none)."""
     from methods.rollout import prompt_prefix
 
     env: Env = env_factory(cfg)()
     try:
-        return prompt_prefix(env, cfg.env.show_admissible, cfg.env.few_shot)
+        return prompt_prefix(env, cfg.env.show_admissible, cfg.env.few_shot), env.tools()
     finally:
         env.close()
 
@@ -141,24 +136,16 @@ def play(cfg: Config, backend, episodes: list[Episode], temperature: float, seed
         bar.close()
 
 
-def fetch_dicts(store: Store, sql: str, params: list | None = None) -> list[dict]:
-    cur = store.con.execute(sql, params or [])
-    cols = [d[0] for d in cur.description]
-    return [dict(zip(cols, r)) for r in cur.fetchall()]
-
-
-def trajectories_with_turns(store: Store, run_id: str, round: int, step: str, prefix: list[dict]) -> list[dict]:
+def trajectories_with_turns(store: Store, run_id: str, round: int, step: str, prefix: list[dict],
+                            tools: list[dict] | None = None) -> list[dict]:
     """The step's trajectories, each with `messages` (the conversation rebuilt from the prompt prefix
-    and its turns) and `train_from` (where the episode's own messages start)."""
-    trajs = fetch_dicts(store, "SELECT * FROM trajectories WHERE run_id = ? AND round = ? AND step = ? ORDER BY traj_id",
-                        [run_id, round, step])
-    turns = fetch_dicts(store, "SELECT traj_id, turn_idx, observation, action_text FROM turns"
-                        " WHERE run_id = ? AND round = ? AND step = ? ORDER BY traj_id, turn_idx",
-                        [run_id, round, step])
+    and its turns), `train_from` (where the episode's own messages start) and `tools`."""
+    trajs = store.step_trajectories(run_id, round, step)
     by_traj: dict[str, list[dict]] = {}
-    for t in turns:
+    for t in store.step_turns(run_id, round, step):
         by_traj.setdefault(t["traj_id"], []).append(t)
     for t in trajs:
         t["messages"] = conversation(prefix, by_traj.get(t["traj_id"], []))
         t["train_from"] = len(prefix)
+        t["tools"] = tools
     return trajs

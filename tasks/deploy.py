@@ -18,11 +18,18 @@ def redeploy(cfg: Config, round: int) -> dict:
     started = utcnow()
     run_id = cfg.run.name
     champion, path = serving_champion(cfg)
-    backend_for(cfg, path)  # the serving backend now holds the champion's weights
+    with open_store(cfg) as store:
+        before = store.promotion_history(run_id)
+        served = [d for d in before if d["round"] == round]
+        previous = served[-1]["champion_id"] if served else champion
+        previous_path = store.model_path(previous)
+    # Redeploy: the backend that served this round's champion serves the new one from now on.
+    record = backend_for(cfg, previous_path).serve(path)
     with open_store(cfg) as store:
         rows = {r["round"]: r for r in round_rows(store, run_id)}
         with store.step(run_id, round, "deploy", started) as tx:
-            store.finish_round(run_id, round, champion, rows.get(round, {}))
+            tx.metrics({"redeploy": record})
+            store.finish_round(run_id, round, champion, {**rows.get(round, {}), "redeploy": record})
         md_path, png, md = write_report(store, run_id, run_dir(cfg) / "report")
     key = re.sub(r"[^a-z0-9-]", "-", f"rsiflow-{run_id}".lower())
     create_markdown_artifact(md, key=key, description=f"rsiflow run {run_id}: metrics per round")

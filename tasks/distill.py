@@ -1,8 +1,8 @@
-"""distill: turn the round's stored experience into training signal.
+"""distill: each enabled method turns the round's stored experience into training signal.
 
-exit: successful trajectories become SFT examples. srd: hindsight notes from the round's
-rollouts, and teacher/student foresight pairs for the privileged-teacher distillation term
-(tasks/srd.py). Everything the step writes (examples, notes, foresight pairs) is one transaction.
+The methods (tasks/methods/, named by `distill.methods`) read what they need while the store is
+open, then work with it closed (a method may generate with the champion); everything they
+contribute (examples, their own tables, their per-round figures) is written in one transaction.
 """
 
 from __future__ import annotations
@@ -11,41 +11,33 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from configs.schema import Config
-from methods.exit import exit_examples
-from tasks.common import model_path, open_store, prefix_messages, trajectories_with_turns, utcnow
+from tasks.common import open_store, prompt_setup, trajectories_with_turns, utcnow
+from tasks.methods import DistillContext, enabled_methods
 
 
 @task(name="distill", cache_policy=NONE)
 def distill_examples(cfg: Config, round: int) -> dict:
     started = utcnow()
     run_id = cfg.run.name
-    prefix = prefix_messages(cfg)
-    counts: dict = {}
-    rows, notes, foresight = [], [], []
+    prefix, tools = prompt_setup(cfg)
+    methods = enabled_methods(cfg)
     with open_store(cfg) as store:
-        trajs = trajectories_with_turns(store, run_id, round, "generate", prefix)
-        if "srd" in cfg.distill.methods:
-            from tasks.srd import load_inputs
-
-            champion = store.champion(run_id)
-            champion_path = model_path(store, champion)
-            srd_inputs = load_inputs(store, run_id, round)
-    if "exit" in cfg.distill.methods:
-        exs = exit_examples(trajs, cfg.distill.exit.min_reward, cfg.distill.exit.dedupe)
-        counts["exit"] = len(exs)
-        rows += [{"example_id": e.example_id, "method": e.method, "source_traj_id": e.source_traj_id,
-                  "messages": e.messages, "weight": e.weight, "meta": e.meta} for e in exs]
-    if "srd" in cfg.distill.methods:
-        from tasks.srd import srd_rows
-
-        srd = srd_rows(cfg, round, srd_inputs, trajs, champion, champion_path)
-        notes, foresight = srd["notes"], srd["foresight"]
-        rows += srd["examples"]
-        counts["srd"] = len(srd["examples"])
-        counts["srd_metrics"] = srd["metrics"]
+        champion = store.champion(run_id)
+        ctx = DistillContext(cfg=cfg, round=round, champion=champion, champion_path=store.model_path(champion),
+                             trajectories=trajectories_with_turns(store, run_id, round, "generate", prefix, tools),
+                             prefix=prefix, tools=tools)
+        inputs = {m.name: m.read(store, ctx) for m in methods}
+    contributions = {m.name: m.distill(ctx, inputs[m.name]) for m in methods}
     with open_store(cfg) as store, store.step(run_id, round, "distill", started) as tx:
-        tx.insert("examples", rows)
-        tx.insert("notes", notes)
-        tx.insert("foresight", foresight)
-    get_run_logger().info("round %d distill: %s", round, counts)
-    return counts
+        for m in methods:
+            c = contributions[m.name]
+            unknown = set(c.tables) - set(m.tables)
+            if unknown:
+                raise ValueError(f"method {m.name!r} wrote tables it does not declare in `tables`: {sorted(unknown)}")
+            tx.insert("examples", [{**e, "method": e.get("method", m.name)} for e in c.examples])
+            for table, rows in c.tables.items():
+                tx.insert(table, rows)
+        tx.metrics({name: c.metrics for name, c in contributions.items()})
+    counts = {name: len(c.examples) for name, c in contributions.items()}
+    get_run_logger().info("round %d distill: examples %s", round, counts)
+    return {"examples": counts, "metrics": {name: c.metrics for name, c in contributions.items()}}

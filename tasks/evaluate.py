@@ -32,13 +32,7 @@ def evaluate_rollouts(cfg: Config, round: int) -> dict:
     started = utcnow()
     run_id = cfg.run.name
     with open_store(cfg) as store:
-        rows = store.con.execute(
-            """SELECT t.traj_id, t.group_id, t.reward, t.success, t.gen_tokens, t.model_id, k.task_type
-               FROM trajectories t JOIN tasks k ON k.task_id = t.task_id AND k.run_id = t.run_id AND k.round = t.round
-               WHERE t.run_id = ? AND t.round = ? AND t.step = 'generate' ORDER BY t.traj_id""",
-            [run_id, round]).fetchall()
-        cols = ["traj_id", "group_id", "reward", "success", "gen_tokens", "model_id", "task_type"]
-        rows = [dict(zip(cols, r)) for r in rows]
+        rows = store.step_trajectories(run_id, round, "generate")
         if not rows:
             raise RuntimeError(f"round {round} of run {run_id!r} has no generated trajectories to evaluate")
         counts = group_counts(group_stats(rows))

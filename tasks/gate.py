@@ -16,7 +16,7 @@ from configs.schema import Config
 from envs.base import TaskSpec
 from methods.rollout import Episode
 from methods.stats import compare, should_promote
-from tasks.common import backend_for, env_factory, episode_rows, fetch_dicts, model_path, open_store, play, utcnow
+from tasks.common import backend_for, env_factory, episode_rows, open_store, play, utcnow
 from tasks.evaluate import success_rows
 from tasks.train import candidate_id
 
@@ -31,11 +31,8 @@ def heldout_tasks(cfg: Config) -> list[TaskSpec]:
 
 def _stored_results(store, run_id: str, model_id: str, task_ids: list[str]) -> dict[str, dict] | None:
     """This model's stored held-out trajectories for these tasks (one per task), or None if any is missing."""
-    rows = fetch_dicts(store, "SELECT traj_id, task_id, success, gen_tokens, round FROM trajectories"
-                       " WHERE run_id = ? AND model_id = ? AND purpose = 'eval' ORDER BY round DESC, traj_id",
-                       [run_id, model_id])
     found: dict[str, dict] = {}
-    for r in rows:
+    for r in store.eval_trajectories(run_id, model_id):
         found.setdefault(r["task_id"], r)
     return found if all(t in found for t in task_ids) else None
 
@@ -49,8 +46,8 @@ def gate_candidate(cfg: Config, round: int) -> dict:
     cid = candidate_id(cfg, round)
     with open_store(cfg) as store:
         champion = store.champion(run_id)
-        trained = bool(store.con.execute("SELECT count(*) FROM models WHERE model_id = ?", [cid]).fetchall()[0][0])
-        paths = {m: model_path(store, m) for m in ((cid, champion) if trained else (champion,))}
+        trained = store.has_model(cid)
+        paths = {m: store.model_path(m) for m in ((cid, champion) if trained else (champion,))}
         reused = _stored_results(store, run_id, champion, task_ids)
 
     # The champion plays only when the store lacks its results on these tasks (round 1: the base).
@@ -103,7 +100,6 @@ def gate_candidate(cfg: Config, round: int) -> dict:
                                       "decision": decision, "rule": cfg.gate.rule, "evidence": evidence,
                                       "new_champion_id": new_champion}])
         if trained:
-            tx.execute("UPDATE models SET role = ? WHERE model_id = ?",
-                       ["champion" if decision == "promote" else "rejected", cid])
+            tx.set_model_role(cid, "champion" if decision == "promote" else "rejected")
     get_run_logger().info("round %d gate: %s", round, summary)
     return summary

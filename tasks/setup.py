@@ -23,6 +23,17 @@ def check_env(cfg: Config) -> None:
         raise ConfigError(f"{key}: {e}") from e
 
 
+def check_methods(cfg: Config) -> None:
+    """Every name in distill.methods is a registered method or a 'package.module:Class' Method."""
+    from tasks.methods import method_class
+
+    for name in cfg.distill.methods:
+        try:
+            method_class(name)
+        except (ValueError, ImportError) as e:
+            raise ConfigError(f"distill.methods: {e}") from e
+
+
 def ensure_run(cfg: Config) -> str:
     """Idempotent: the run row, and the base model converted/located and registered as 'base'.
 
@@ -30,6 +41,7 @@ def ensure_run(cfg: Config) -> str:
     The round count is not part of a run's identity: asking for more rounds continues it.
     """
     check_env(cfg)
+    check_methods(cfg)
     run_id = cfg.run.name
     identity = cfg.model_dump(mode="json")
     identity["run"].pop("rounds")

@@ -1,5 +1,5 @@
-"""train: TRL trains a candidate from the champion on the round's examples (SFT rows, plus the
-privileged-teacher distillation pairs of SRD in the same loss)."""
+"""train: TRL trains a candidate from the champion on the training rows every enabled method makes
+of its examples of the round (SFT rows and privileged-teacher distillation rows in one loss)."""
 
 from __future__ import annotations
 
@@ -9,20 +9,23 @@ import shutil
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
-from configs.schema import Config
-from tasks.common import fetch_dicts, model_path, open_store, round_seed, run_dir, utcnow
-
-
-def _distill_loss(cfg: Config):
-    from models.distill import DistillLoss
-
-    c = cfg.distill.srd
-    return DistillLoss(loss_weight=c.loss_weight, divergence=c.divergence, beta=c.beta, top_k=c.top_k,
-                       is_clip=c.is_clip, ema_rate=c.ema_rate)
+from configs.schema import Config, ConfigError
+from tasks.common import open_store, round_seed, run_dir, utcnow
+from tasks.methods import enabled_methods
 
 
 def candidate_id(cfg: Config, round: int) -> str:
     return f"{cfg.run.name}/r{round}/candidate"
+
+
+def _distill_loss(methods):
+    """The one DistillLoss of the methods that emit distillation rows (two different ones are a config error)."""
+    losses = {m.name: m.distill_loss() for m in methods}
+    losses = {name: loss for name, loss in losses.items() if loss is not None}
+    if len(set(losses.values())) > 1:
+        raise ConfigError(f"distill.methods: {sorted(losses)} each set a privileged-teacher loss and they differ "
+                          f"({losses}); the trainer takes one: give them the same settings")
+    return next(iter(losses.values()), None)
 
 
 @task(name="train", cache_policy=NONE)
@@ -30,30 +33,21 @@ def train_candidate(cfg: Config, round: int) -> dict:
     started = utcnow()
     from tqdm.auto import tqdm
 
-    from models.sft import train_sft
+    from models.trainer import train_candidate as train
 
     run_id = cfg.run.name
+    methods = enabled_methods(cfg)
+    rows = []
     with open_store(cfg) as store:
         champion = store.champion(run_id)
-        parent_path = model_path(store, champion)
-        rows = [{**r, "train_from": json.loads(r["meta"] or "{}").get("train_from", 0)}
-                for r in store.examples_dataset(run_id, round)]
-        pairs = {f["foresight_id"]: f for f in fetch_dicts(
-            store, "SELECT foresight_id, student_messages, teacher_messages, train_from, completion_ids, sampling_logprobs"
-            " FROM foresight WHERE run_id = ? AND round = ? AND step = 'distill'", [run_id, round])}
-    examples = [r for r in rows if r["method"] != "srd"]
-    distill_examples = []
-    for r in rows:
-        if r["method"] == "srd":
-            f = pairs[json.loads(r["meta"])["foresight_id"]]
-            distill_examples.append({
-                "example_id": r["example_id"], "weight": r["weight"], "train_from": f["train_from"],
-                "student": json.loads(f["student_messages"]), "teacher": json.loads(f["teacher_messages"]),
-                "completion_ids": f["completion_ids"], "sampling_logprobs": f["sampling_logprobs"]})
+        parent_path = store.model_path(champion)
+        examples = [{**e, "meta": json.loads(e["meta"] or "{}")} for e in store.examples_dataset(run_id, round)]
+        for m in methods:
+            rows += m.training_rows(store, run_id, round, [e for e in examples if e["method"] == m.name])
     out_dir = run_dir(cfg) / "models" / f"round-{round}-candidate"
     if out_dir.exists():  # a rerun after a crash: train again from the champion
         shutil.rmtree(out_dir)
-    if not examples and not distill_examples:
+    if not rows:
         # Nothing to learn from: a candidate would be a copy of the champion. None is trained or
         # registered, and the gate records a 'skip'.
         with open_store(cfg) as store, store.step(run_id, round, "train", started):
@@ -68,9 +62,9 @@ def train_candidate(cfg: Config, round: int) -> dict:
         bar.update(step - bar.n)
 
     try:
-        metrics, used_ids = train_sft(parent_path, examples, out_dir, cfg.train, seed=round_seed(cfg, round, 1),
-                                      dtype=cfg.model.dtype, on_step=on_step, distill_examples=distill_examples,
-                                      distill=_distill_loss(cfg) if distill_examples else None)
+        metrics, used_ids = train(parent_path, rows, out_dir, cfg.train, seed=round_seed(cfg, round, 1),
+                                  dtype=cfg.model.dtype, on_step=on_step, distill=_distill_loss(methods),
+                                  trust_remote_code=cfg.model.trust_remote_code)
     finally:
         bar.close()
     cid = candidate_id(cfg, round)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from models.backend import SamplingParams
-from models.hf_backend import HFBackend, get_backend
+from models.hf_backend import HFBackend, clear_backends, get_backend
 from models.loading import resolve_base_model
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
@@ -154,16 +154,53 @@ def test_empty_request_list(backend):
     assert backend.generate([], GREEDY) == []
 
 
-def test_reload_serves_the_new_checkpoint(tiny_path, model_cache):
+def test_serve_redeploys_the_new_checkpoint_and_says_what_it_did(tiny_path, model_cache):
     backend = HFBackend(tiny_path)
     before = backend.generate(CONVERSATIONS[:2], GREEDY)
     other = resolve_base_model("tiny:1", model_cache)
-    backend.reload(other)
+    record = backend.serve(other)
+    assert record["kind"] == "hf" and record["action"] == "reloaded weights in process" and record["path"] == str(other)
     assert backend.model_path == str(other)
     assert [g.token_ids for g in backend.generate(CONVERSATIONS[:2], GREEDY)] != [g.token_ids for g in before]
+    assert backend.serve(other)["action"] == "already serving"
 
 
-def test_get_backend_reuses_a_loaded_model(tiny_path, model_cache):
-    a = get_backend(tiny_path, max_batch_size=4)
-    assert get_backend(str(tiny_path), max_batch_size=4) is a
-    assert get_backend(resolve_base_model("tiny:1", model_cache), max_batch_size=4) is not a
+def test_get_backend_reuses_a_loaded_model_and_finds_a_redeployed_one(tiny_path, model_cache):
+    clear_backends()
+    try:
+        a = get_backend(tiny_path, max_batch_size=4)
+        assert get_backend(str(tiny_path), max_batch_size=4) is a
+        other = resolve_base_model("tiny:1", model_cache)
+        b = get_backend(other, max_batch_size=4)
+        assert b is not a
+        a.serve(other)  # the deploy step: the old champion's backend now serves the new one
+        assert get_backend(other, max_batch_size=4) in (a, b)
+        assert get_backend(tiny_path, max_batch_size=4) not in (a, b)  # nobody serves it any more: loaded anew
+    finally:
+        clear_backends()
+
+
+def test_open_backend_by_kind(tiny_path):
+    from models.backend import BACKENDS, open_backend
+
+    assert "hf" in BACKENDS
+    clear_backends()
+    try:
+        b = open_backend("hf", tiny_path, max_batch_size=3, kv_reuse=False)
+        assert b.kind == "hf" and b.max_batch_size == 3 and b.generate(CONVERSATIONS[:1], GREEDY)[0].token_ids
+        with pytest.raises(ValueError, match="unknown backend kind 'nope'.*hf"):
+            open_backend("nope", tiny_path)
+    finally:
+        clear_backends()
+
+
+def test_tools_reach_the_chat_template(tiny_path):
+    """The env's tool schemas go to the chat template (a template that renders them shows them in the prompt)."""
+    backend = HFBackend(tiny_path)
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "price of an item",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    plain = backend.generate(CONVERSATIONS[:1], GREEDY)[0].prompt_tokens
+    assert backend.generate(CONVERSATIONS[:1], GREEDY, tools=tools)[0].prompt_tokens == plain  # SmolLM2's ignores them
+    backend.tokenizer.chat_template = ("{% if tools %}TOOLS: {{ tools | tojson }}\n{% endif %}"
+                                       + backend.tokenizer.chat_template)
+    assert backend.generate(CONVERSATIONS[:1], GREEDY, tools=tools)[0].prompt_tokens > plain + 10

@@ -161,7 +161,9 @@ def test_the_store_keeps_only_the_latest_call_and_respects_its_limit(tiny_path, 
     off = HFBackend(tiny_path, max_batch_size=4, kv_reuse=True, kv_store_max_tokens=0)
     off.generate([_start(0)], GREEDY)
     assert off.kv_store_tokens == 0 and off.generate([_start(0)], GREEDY)[0].extra["cached_tokens"] == 0
-    reusing.reload(tiny_path)
+    assert reusing.kv_store_tokens > 0
+    assert reusing.serve(tiny_path)["action"] == "already serving" and reusing.kv_store_tokens > 0
+    reusing._load(tiny_path)  # what serve() does for another checkpoint: keys/values of old weights are dropped
     assert reusing.kv_store_tokens == 0
 
 

@@ -1,16 +1,16 @@
-"""SRD inside the distill step: hindsight notes from the round's rollouts, then foresight pairs.
+"""SRD in a round: hindsight notes from the round's rollouts, foresight pairs, and their distillation.
 
-Thin over methods/srd.py: it reads the round's trajectories, asks the champion (through the
+Thin over methods/srd.py: it reads the round's tasks and turns, asks the champion (through the
 generation backend) to write the notes (or assembles them with the `template` writer), lets the
-student sample its foresight, and returns the rows for the `notes`, `foresight` and `examples`
-tables plus the round's SRD counts. The distill task writes them in its one transaction.
+student sample its foresight, and contributes rows of the `notes`, `foresight` and `examples`
+tables plus the round's SRD figures. At training time each SRD example becomes a "distill" row
+(the pair's student and teacher conversations) for the trainer's privileged-teacher term.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from collections import defaultdict
 from statistics import mean
@@ -18,43 +18,32 @@ from statistics import mean
 from configs.schema import Config
 from envs.base import TaskSpec
 from methods.groups import group_counts, group_stats
+from methods.rollout import env_observation
 from methods.srd import (Attempt, ForesightPair, Note, action_pair, clean_note, failure_kind, foresight_pair,
                          knowledge_note_messages, pitfall_note_messages, template_note)
 from models.backend import SamplingParams
-from tasks.common import backend_for, env_factory, fetch_dicts, round_seed
+from tasks.common import env_factory, round_seed
+from tasks.methods.base import Contribution, DistillContext, Method
 
 log = logging.getLogger(__name__)
 
-_RENDERED_TAIL = re.compile(r"\nValid actions:\n.*\Z|\nYour action:\s*\Z", re.DOTALL)
 
-
-def _plain(observation: str) -> str:
-    """An observation as the env wrote it (without the runner's action list and prompt)."""
-    return _RENDERED_TAIL.sub("", observation)
-
-
-def _task_texts(cfg: Config, specs: dict[str, TaskSpec]) -> tuple[dict[str, str], str]:
-    """Each task's first observation (the env resets it again: cheap and exact) and the env's instructions."""
+def _task_facts(cfg: Config, specs: dict[str, TaskSpec]) -> tuple[dict[str, str], dict[str, list[str] | None], str]:
+    """Each task's first observation and the env's solution from its start (the env resets it again:
+    cheap and exact), and the env's instructions."""
     env = env_factory(cfg)()
     try:
-        return {tid: env.reset(spec) for tid, spec in specs.items()}, env.instructions()
+        texts, solutions = {}, {}
+        for tid, spec in specs.items():
+            texts[tid] = env.reset(spec)
+            solutions[tid] = env.solution()
+        return texts, solutions, env.instructions()
     finally:
         env.close()
 
 
-def load_inputs(store, run_id: str, round: int) -> dict:
-    """What SRD reads from the store besides the trajectories: the round's tasks and turns.
-    Read up front, so the store is not held open while the model writes."""
-    return {
-        "tasks": fetch_dicts(store, "SELECT task_id, env, split, task_type, seed, spec FROM tasks"
-                             " WHERE run_id = ? AND round = ? AND step = 'generate'", [run_id, round]),
-        "turns": fetch_dicts(store, "SELECT traj_id, turn_idx, observation, action_text, valid, feedback FROM turns"
-                             " WHERE run_id = ? AND round = ? AND step = 'generate' ORDER BY traj_id, turn_idx",
-                             [run_id, round]),
-    }
-
-
-def _attempts(cfg: Config, turns: list[dict], trajs: list[dict], task_text: dict[str, str]) -> list[Attempt]:
+def _attempts(cfg: Config, turns: list[dict], trajs: list[dict], task_text: dict[str, str],
+              solutions: dict[str, list[str] | None]) -> list[Attempt]:
     by_traj: dict[str, list[dict]] = defaultdict(list)
     for t in turns:
         by_traj[t["traj_id"]].append(t)
@@ -65,10 +54,10 @@ def _attempts(cfg: Config, turns: list[dict], trajs: list[dict], task_text: dict
         out.append(Attempt(
             traj_id=t["traj_id"], group_id=t["group_id"], task_id=t["task_id"], task_text=task_text[t["task_id"]],
             actions=[x["action_text"] for x in ts],
-            observations=[_plain(x["observation"]) for x in ts[1:]],
+            observations=[env_observation(x["observation"]) for x in ts[1:]],
             valid=[bool(x["valid"]) for x in ts], feedback=[x["feedback"] or "ok" for x in ts],
             hindsight=list(hindsight), success=bool(t["success"]), status=t["status"], n_turns=len(ts),
-            max_turns=cfg.env.max_turns, error=t["error"]))
+            max_turns=cfg.env.max_turns, error=t["error"], solution=solutions.get(t["task_id"])))
     return out
 
 
@@ -88,14 +77,14 @@ def _pick(attempts: list[Attempt], want_success: bool, n: int) -> list[Attempt]:
     return out
 
 
-def srd_rows(cfg: Config, round: int, inputs: dict, trajs: list[dict], champion: str, champion_path: str) -> dict:
-    """Notes, foresight pairs and examples of this round. `trajs` come from trajectories_with_turns
-    (messages + train_from), `inputs` from load_inputs. Returns {"notes", "foresight", "examples":
-    rows, "metrics": dict}."""
+def _srd_rows(ctx: DistillContext, inputs: dict) -> dict:
+    """Notes, foresight pairs and examples of this round; returns {"notes", "foresight", "examples": rows,
+    "metrics": dict}."""
+    cfg, round, trajs, champion = ctx.cfg, ctx.round, ctx.trajectories, ctx.champion
     scfg = cfg.distill.srd
     specs = {r["task_id"]: TaskSpec.from_row(r) for r in inputs["tasks"]}
-    task_text, instructions = _task_texts(cfg, specs)
-    attempts = _attempts(cfg, inputs["turns"], trajs, task_text)
+    task_text, solutions, instructions = _task_facts(cfg, specs)
+    attempts = _attempts(cfg, inputs["turns"], trajs, task_text, solutions)
     by_group: dict[str, list[Attempt]] = defaultdict(list)
     for a in attempts:
         by_group[a.group_id].append(a)
@@ -119,7 +108,7 @@ def srd_rows(cfg: Config, round: int, inputs: dict, trajs: list[dict], champion:
     backend = None
     raw_texts: list[str] = []
     if notes and scfg.note_writer == "policy":
-        backend = backend_for(cfg, champion_path)
+        backend = ctx.backend()
         params = SamplingParams(max_new_tokens=scfg.note_max_tokens, temperature=scfg.note_temperature,
                                 top_p=cfg.backend.top_p if scfg.note_temperature > 0 else 1.0,
                                 seed=round_seed(cfg, round, 11))
@@ -152,7 +141,7 @@ def srd_rows(cfg: Config, round: int, inputs: dict, trajs: list[dict], champion:
                 pairs.append(foresight_pair(f"{gid}/foresight-{channel}-{k}", gid, task_id, instructions,
                                             task_text[task_id], gnotes, channel))
     if pairs:
-        backend = backend or backend_for(cfg, champion_path)
+        backend = backend or ctx.backend()
         params = SamplingParams(max_new_tokens=scfg.foresight_max_tokens, temperature=scfg.foresight_temperature,
                                 top_p=cfg.backend.top_p if scfg.foresight_temperature > 0 else 1.0,
                                 seed=round_seed(cfg, round, 12))
@@ -198,19 +187,87 @@ def srd_rows(cfg: Config, round: int, inputs: dict, trajs: list[dict], champion:
         source = p.source_traj_id or next(n.traj_id for n in notes if n.note_id == p.note_ids[0])
         ex_rows.append({"example_id": f"{p.pair_id}/srd", "method": "srd", "source_traj_id": source,
                         "messages": p.student, "weight": 1.0,
-                        "meta": {"foresight_id": p.pair_id, "channel": p.channel, "train_from": p.train_from}})
+                        "meta": {"foresight_id": p.pair_id, "channel": p.channel, "train_from": p.train_from,
+                                 # the action channel scores the episode's own turns, sampled with the env's tools
+                                 **({"tools": ctx.tools} if ctx.tools and p.channel == "action" else {})}})
     counts = group_counts(group_stats([{"group_id": a.group_id, "reward": 1.0 if a.success else 0.0,
                                         "success": a.success} for a in attempts]))
     usable = [n for n in notes if n.usable]
     metrics = {
         **{f"groups_{k}" if k != "groups" else k: v for k, v in counts.items()},
         "writer": scfg.note_writer,
-        "notes": len(notes), "usable_notes": len(usable),
-        "note_tokens_mean": mean(n.n_tokens for n in notes) if notes and scfg.note_writer == "policy" else None,
+        "notes": len(notes), "usable": len(usable),
+        "note_tokens": mean(n.n_tokens for n in notes) if notes and scfg.note_writer == "policy" else None,
         "groups_with_signal": len({p.group_id for p in pairs + action_pairs}),
         "foresight": len(pairs), "empty_foresight": empty_foresight,
-        "foresight_tokens_mean": mean(len(p.completion_ids) for p in pairs) if pairs else None,
+        "foresight_tokens": mean(len(p.completion_ids) for p in pairs) if pairs else None,
         "action_pairs": len(action_pairs),
         "notes_s": float(f"{notes_s:.2f}"), "foresight_s": float(f"{foresight_s:.2f}"),
     }
     return {"notes": note_rows, "foresight": fs_rows, "examples": ex_rows, "metrics": metrics}
+
+
+class SRD(Method):
+    """SRD (METHODS.md §1): pitfall notes from failures, distilled into foresight by the privileged teacher."""
+
+    name = "srd"
+    tables = ("notes", "foresight")
+
+    def read(self, store, ctx: DistillContext) -> dict:
+        """The round's tasks and turns, read up front so the store is not held while the model writes."""
+        return {"tasks": store.step_tasks(ctx.run_id, ctx.round, "generate"),
+                "turns": store.step_turns(ctx.run_id, ctx.round, "generate")}
+
+    def distill(self, ctx: DistillContext, inputs: dict) -> Contribution:
+        out = _srd_rows(ctx, inputs)
+        log.info("round %d SRD: %s", ctx.round, out["metrics"])
+        return Contribution(examples=out["examples"], tables={"notes": out["notes"], "foresight": out["foresight"]},
+                            metrics=out["metrics"])
+
+    def training_rows(self, store, run_id: str, round: int, examples: list[dict]) -> list[dict]:
+        """Each SRD example is a "distill" row: its pair's student and teacher conversations, the student's
+        sampled completion ids and their sampling logprobs."""
+        pairs = store.foresight_pairs(run_id, round)
+        rows = []
+        for e in examples:
+            f = pairs[e["meta"]["foresight_id"]]
+            rows.append({"kind": "distill", "example_id": e["example_id"], "weight": e["weight"],
+                         "train_from": f["train_from"], "student": f["student_messages"],
+                         "teacher": f["teacher_messages"], "completion_ids": f["completion_ids"],
+                         "sampling_logprobs": f["sampling_logprobs"], "tools": e["meta"].get("tools")})
+        return rows
+
+    def distill_loss(self):
+        from models.trainer import DistillLoss
+
+        c = self.cfg.distill.srd
+        return DistillLoss(loss_weight=c.loss_weight, divergence=c.divergence, beta=c.beta, top_k=c.top_k,
+                           is_clip=c.is_clip, ema_rate=c.ema_rate)
+
+    @classmethod
+    def round_metrics(cls, distill_metrics: dict | None, train_metrics: dict) -> dict | None:
+        if distill_metrics is None:
+            return None
+        return {**distill_metrics, "distill_loss": train_metrics.get("distill_loss_mean"),
+                "distill_examples": train_metrics.get("distill_examples"),
+                "misaligned": train_metrics.get("distill_misaligned")}
+
+    @classmethod
+    def report_section(cls, rounds: list[dict]) -> list[str]:
+        rows = [r for r in rounds if r.get("srd")]
+        if not rows:
+            return []
+
+        def num(v, fmt):
+            return format(v, fmt) if v is not None else "-"
+
+        lines = ["SRD per round (notes: written / usable, by which writer; signal: groups that produced a "
+                 "teacher/student pair; D: mean distillation loss over training steps):", "",
+                 "| round | notes (usable) | writer | note tokens | groups with signal | foresight (tokens) | "
+                 "action pairs | D |", "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            m = r["srd"]
+            lines.append(f"| {r['round']} | {m['notes']} ({m['usable']}) | {m['writer']} | {num(m['note_tokens'], '.0f')} | "
+                         f"{m['groups_with_signal']} | {m['foresight']} ({num(m['foresight_tokens'], '.0f')}) | "
+                         f"{m['action_pairs']} | {num(m['distill_loss'], '.4f')} |")
+        return lines

@@ -1,0 +1,91 @@
+"""What a method contributes to a round (the seam every method implements).
+
+The distill step builds a `DistillContext`, calls each enabled method's `read` while the store is
+open (short reads), then `distill` with the store closed (a method may generate with the champion
+for minutes), and writes every method's `Contribution` in one transaction: `examples` rows, the
+method's own `tables` and its `metrics` (stored with the step, keyed by method name). The train
+step asks each method for its `training_rows` (kinds the trainer knows) and its `distill_loss`;
+the report shows each method's `round_metrics` and `report_section`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass
+class Contribution:
+    examples: list[dict] = field(default_factory=list)            # `examples` rows: example_id, method, source_traj_id, messages, weight, meta
+    tables: dict[str, list[dict]] = field(default_factory=dict)   # rows of the method's own step-keyed tables
+    metrics: dict[str, Any] = field(default_factory=dict)         # per-round figures (stored with the distill step)
+
+
+@dataclass
+class DistillContext:
+    """What every method's distill sees: the round, the champion, the round's generated trajectories
+    (each with `messages`, the conversation as the model saw it, and `train_from`, where its own turns
+    start), the prompt prefix and the env's tool schemas."""
+
+    cfg: Any                      # configs.schema.Config
+    round: int
+    champion: str
+    champion_path: str
+    trajectories: list[dict]
+    prefix: list[dict]
+    tools: list[dict] | None = None
+    _backend: Any = None
+
+    @property
+    def run_id(self) -> str:
+        return self.cfg.run.name
+
+    def backend(self):
+        """The champion's generation backend (opened on first use, shared by the methods of the step)."""
+        if self._backend is None:
+            from tasks.common import backend_for
+
+            self._backend = backend_for(self.cfg, self.champion_path)
+        return self._backend
+
+
+class Method:
+    """One method's contributions to a round. Subclass it, set `name` (and `tables` if it writes its
+    own), implement `distill`; override the rest where the defaults don't fit."""
+
+    name: ClassVar[str]
+    tables: ClassVar[tuple[str, ...]] = ()   # step-keyed tables its distill writes besides `examples`
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def read(self, store, ctx: DistillContext) -> Any:
+        """What `distill` needs from the store beyond ctx.trajectories (named Store methods only)."""
+        return None
+
+    def distill(self, ctx: DistillContext, inputs: Any) -> Contribution:
+        """Turn the round's experience into examples (and rows of the method's tables)."""
+        raise NotImplementedError
+
+    def training_rows(self, store, run_id: str, round: int, examples: list[dict]) -> list[dict]:
+        """Training rows (models/encoding.py) for this method's examples of the round. Default: each
+        example is an SFT row on its messages (loss from meta.train_from on) with its weight."""
+        return [{"kind": "sft", "example_id": e["example_id"], "messages": e["messages"], "weight": e["weight"],
+                 "train_from": (e["meta"] or {}).get("train_from", 0), "tools": (e["meta"] or {}).get("tools")}
+                for e in examples]
+
+    def distill_loss(self):
+        """The models.trainer.DistillLoss for this method's "distill" rows (None: it emits none)."""
+        return None
+
+    @classmethod
+    def round_metrics(cls, distill_metrics: dict | None, train_metrics: dict) -> dict | None:
+        """The figures of one round shown in reports and stored in `rounds.metrics[name]`: by default
+        what distill recorded."""
+        return distill_metrics
+
+    @classmethod
+    def report_section(cls, rounds: list[dict]) -> list[str]:
+        """Markdown lines for the run report (`rounds`: report rows, each with `round` and this method's
+        figures under its name). Default: none."""
+        return []
