@@ -30,3 +30,17 @@ def prefect_api():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="session")
+def model_cache() -> Path:
+    """The shared model cache (RSIFLOW_CACHE or ~/.cache/rsiflow): tiny models are built once and reused."""
+    return Path(os.environ.get("RSIFLOW_CACHE", "~/.cache/rsiflow")).expanduser()
+
+
+@pytest.fixture(scope="session")
+def tiny_path(model_cache) -> Path:
+    """The tiny random model of SmolLM2's architecture (`tiny:0`), built once into the model cache."""
+    from models.loading import resolve_base_model
+
+    return resolve_base_model("tiny:0", model_cache)

@@ -87,6 +87,41 @@ def test_unknown_env_and_bad_env_kwargs_fail_before_any_work(tmp_path):
 
 
 def test_readme_config_reference_lists_every_key():
+    """Each key has its own row in the README's reference table (a mention elsewhere in the text doesn't count:
+    `backend.kv_reuse` was missing from the table while this test passed on such a mention)."""
     readme = (REPO / "README.md").read_text()
-    missing = [path for path, _, _ in config_reference() if f"`{path}`" not in readme]
-    assert not missing, f"README's config reference lacks {missing}"
+    table_keys = {line.split("|")[1].strip().strip("`") for line in readme.splitlines()
+                  if line.startswith("| `") and line.count("|") >= 4}
+    missing = [path for path, _, _ in config_reference() if path not in table_keys]
+    assert not missing, f"README's config reference table lacks {missing}"
+    stale = sorted(k for k in table_keys if "." in k and k.split(".")[0] in Config.model_fields
+                   and k not in {p for p, _, _ in config_reference()})
+    assert not stale, f"README's config reference lists keys that no longer exist: {stale}"
+
+
+def test_backend_kind_and_its_own_options_section(tmp_path):
+    cfg = load_config([], ["backend.hf.kv_reuse=true", "backend.hf.max_batch_size=4"])
+    assert cfg.backend.options() == {"max_batch_size": 4, "kv_reuse": True}
+    with pytest.raises(ConfigError, match=r"--set backend.kind=vllmx: backend.*unknown backend 'vllmx'"):
+        load_config([], ["backend.kind=vllmx"])
+    with pytest.raises(ConfigError, match=r"backend.max_batch_size: unknown key"):
+        load_config([], ["backend.max_batch_size=4"])  # hf-only options live in backend.hf now
+
+
+def test_options_of_another_backend_are_an_error(monkeypatch):
+    from models import backend as backends
+
+    monkeypatch.setitem(backends.BACKENDS, "other", "models.hf_backend:HFBackend")
+    assert load_config([], ["backend.kind=other"]).backend.options() == {}
+    with pytest.raises(ConfigError, match=r"backend.hf: options of the 'hf' backend, but backend.kind is 'other'"):
+        load_config([], ["backend.kind=other", "backend.hf.kv_reuse=true"])
+
+
+def test_unknown_method_fails_before_any_work():
+    from tasks.setup import check_methods
+
+    check_methods(load_config([], ["distill.methods=[exit,srd]"]))
+    with pytest.raises(ConfigError, match=r"distill.methods: unknown method 'mass2'.*exit.*srd"):
+        check_methods(load_config([], ["distill.methods=[exit,mass2]"]))
+    with pytest.raises(ConfigError, match=r"distill.methods: .*no_such_module"):
+        check_methods(load_config([], ["distill.methods=[no_such_module:Toy]"]))

@@ -7,7 +7,7 @@ import pytest
 
 from envs import make_env
 from envs.household import HouseholdEnv
-from methods.rollout import Episode, run_episodes
+from methods.rollout import Episode, env_observation, render_observation, run_episodes
 from models.backend import SamplingParams
 from models.hf_backend import HFBackend
 from models.loading import resolve_base_model
@@ -26,9 +26,10 @@ class CallLog:
         self.inner, self.batches = inner, []
         self.model_path = inner.model_path
 
-    def generate(self, conversations, params):
+    def generate(self, conversations, params, tools=None):
         self.batches.append(len(conversations))
-        return self.inner.generate(conversations, params)
+        self.tools = tools
+        return self.inner.generate(conversations, params, tools=tools)
 
 
 class CrashOnSecondStep(HouseholdEnv):
@@ -87,9 +88,29 @@ def test_crashing_episode_is_recorded_and_batch_goes_on(backend):
 
 def test_backend_failure_propagates(backend):
     class Broken(CallLog):
-        def generate(self, conversations, params):
+        def generate(self, conversations, params, tools=None):
             raise RuntimeError("backend down")
 
     tasks = make_env("household").sample_tasks("train", 1, seed=0)
     with pytest.raises(RuntimeError, match="backend down"):
         run_episodes(lambda: make_env("household"), episodes_for(tasks), Broken(backend), SamplingParams(), max_turns=2)
+
+
+def test_env_observation_inverts_the_rendering():
+    """SRD's notes quote the env's own observations: whatever render_observation appends must come off again."""
+    for obs in ("You see a cabinet 1.", "line one\nline two", ""):
+        for admissible in (None, [], ["go to cabinet 1", "look"]):
+            for show in (True, False):
+                assert env_observation(render_observation(obs, admissible, show)) == obs
+
+
+def test_the_env_tools_reach_the_backend(backend):
+    """ToolUseEnv's tool schemas go with every batched call (the chat template gets them)."""
+    from envs.tooluse import ToolUseEnv
+
+    env = ToolUseEnv()
+    log = CallLog(backend)
+    episodes = [Episode(traj_id=f"t{i}", task=t, group_id="g", sample_idx=0)
+                for i, t in enumerate(env.sample_tasks("train", 2, 0))]
+    run_episodes(ToolUseEnv, episodes, log, SamplingParams(max_new_tokens=4, temperature=0.0), max_turns=1)
+    assert log.tools == env.tools() and log.tools

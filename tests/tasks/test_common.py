@@ -1,0 +1,69 @@
+"""What every step shares: the backend by kind with its own options, trust_remote_code reaching the loaders,
+the prompt setup (prefix and tools) used for generation and training alike."""
+
+import pytest
+
+from configs.schema import load_config
+from tests.conftest import TINY
+
+
+def test_backend_for_opens_the_configured_kind_with_its_options_and_trust_remote_code(monkeypatch, tiny_path):
+    import models.hf_backend as hb
+    from tasks.common import backend_for
+
+    seen = {}
+    real = hb.load_model_and_tokenizer
+
+    def spy(path, dtype="float32", trust_remote_code=False):
+        seen["trust_remote_code"] = trust_remote_code
+        return real(path, dtype=dtype)
+
+    monkeypatch.setattr(hb, "load_model_and_tokenizer", spy)
+    hb.clear_backends()
+    try:
+        cfg = load_config([TINY], ["model.trust_remote_code=true", "backend.hf.max_batch_size=3"])
+        backend = backend_for(cfg, str(tiny_path))
+        assert backend.kind == "hf" and backend.max_batch_size == 3 and backend.kv_reuse is True
+        assert seen == {"trust_remote_code": True}
+    finally:
+        hb.clear_backends()
+
+
+def test_the_trainer_passes_trust_remote_code(monkeypatch, tiny_path, tmp_path):
+    import models.trainer as trainer
+
+    seen = {}
+    real = trainer.load_model_and_tokenizer
+
+    def spy(path, dtype="float32", trust_remote_code=False):
+        seen["trust_remote_code"] = trust_remote_code
+        return real(path, dtype=dtype)
+
+    monkeypatch.setattr(trainer, "load_model_and_tokenizer", spy)
+    cfg = load_config([TINY])
+    trainer.train_candidate(tiny_path, [], tmp_path / "c", cfg.train, trust_remote_code=True)
+    assert seen == {"trust_remote_code": True}
+
+
+@pytest.mark.parametrize("env,has_tools", [("household", False), ("tooluse", True)])
+def test_prompt_setup_gives_the_prefix_and_the_env_tools(env, has_tools):
+    from tasks.common import prompt_setup
+
+    prefix, tools = prompt_setup(load_config([TINY], [f"env.name={env}", "env.kwargs={}"]))
+    assert prefix[0]["role"] == "system" and (tools is not None) == has_tools
+
+
+def test_training_encodes_a_row_with_the_tools_generation_saw(tiny_path):
+    from transformers import AutoTokenizer
+
+    from models.encoding import encode_rows
+
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    tok.chat_template = "{% if tools %}TOOLS: {{ tools | tojson }}\\n{% endif %}" + tok.chat_template
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
+    msgs = [{"role": "user", "content": "price?"}, {"role": "assistant", "content": 'lookup(item="a")'}]
+    (plain,), _ = encode_rows(tok, [{"kind": "sft", "messages": msgs, "example_id": "a"}], 512)
+    (with_tools,), _ = encode_rows(tok, [{"kind": "sft", "messages": msgs, "example_id": "a", "tools": tools}], 512)
+    assert len(with_tools["input_ids"]) > len(plain["input_ids"])
+    n_labels = lambda r: sum(x != -100 for x in r["labels"])  # noqa: E731
+    assert n_labels(with_tools) == n_labels(plain) > 0  # the same action tokens are trained
