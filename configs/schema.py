@@ -24,8 +24,10 @@ class RunConfig(_Section):
     name: str = Field("default", description="Run name; rounds of a run with this name continue where it stopped.")
     store: str = Field("runs/rsiflow.duckdb", description="DuckDB file holding every artifact of every run.")
     run_dir: str = Field("runs/{name}", description="Folder for checkpoints and reports; `{name}` is the run name.")
-    model_cache: str = Field("~/.cache/rsiflow", description="Folder for converted base checkpoints (the embedded SmolLM2, tiny test models), shared by runs.")
-    rounds: int = Field(2, ge=0, description="Rounds `rsiflow run` completes in total (resuming counts earlier rounds).")
+    model_cache: str = Field("~/.cache/rsiflow", description="Folder for converted base checkpoints (the embedded "
+        "SmolLM2, tiny test models), shared by runs.")
+    rounds: int = Field(2, ge=0, description="Rounds `rsiflow run` completes in total (resuming counts earlier "
+        "rounds).")
     seed: int = Field(0, description="Seed for task sampling, generation and training.")
 
     @field_validator("name")
@@ -43,33 +45,38 @@ class ModelConfig(_Section):
         "random model of the same architecture, for tests), a local checkpoint folder, or a hub id already in the "
         "local HF cache (no network at run time).",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype for generation and training.")
-    trust_remote_code: bool = Field(False, description="Allow custom model code from the checkpoint. Off unless you trust it.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype for generation and "
+        "training.")
+    trust_remote_code: bool = Field(False, description="Allow custom model code from the checkpoint. Off unless you "
+        "trust it.")
 
 
 class HFBackendConfig(_Section):
-    max_batch_size: int = Field(16, ge=1, description="Most conversations per generate call; larger batches are split (the 2-core CPU slows down sharply above 16).")
+    max_batch_size: int = Field(16, ge=1, description="Most conversations per generate call; larger batches are split "
+        "(the 2-core CPU slows down sharply above 16).")
     kv_reuse: bool = Field(
         False,
         description="Keep each conversation's KV cache between calls and prefill only the new tokens of the next "
-        "turn (longest common token prefix); outputs are the same, prefill per episode drops to about its final context.",
+        "turn (longest common token prefix); outputs are the same, prefill per episode drops to about its "
+        "final context.",
     )
 
 
 class BackendConfig(_Section):
-    kind: str = Field("hf", description="Generation backend, a key of models.backend.BACKENDS: 'hf' (transformers generate, CPU or one GPU). Its options are in the section of the same name.")
+    kind: str = Field("hf", description="Generation backend, a key of models.backend.BACKENDS: 'hf' (transformers "
+        "generate, CPU or one GPU). Its options are in the section of the same name.")
     max_new_tokens: int = Field(24, ge=1, description="Most tokens per action.")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature for training rollouts (0 = greedy).")
     top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus sampling mass for training rollouts.")
     hf: HFBackendConfig = Field(default_factory=HFBackendConfig, description="Options of the 'hf' backend.")
 
     @model_validator(mode="after")
-    def _known_kind_and_no_foreign_options(self) -> "BackendConfig":
+    def _known_kind_and_no_foreign_options(self) -> BackendConfig:
         from models.backend import BACKENDS
 
         if self.kind not in BACKENDS:
             raise ValueError(f"backend.kind: unknown backend {self.kind!r}; known: {sorted(BACKENDS)}")
-        for name, field in type(self).model_fields.items():
+        for name in type(self).model_fields:
             section = getattr(self, name)
             if isinstance(section, BaseModel) and name != self.kind and section.model_fields_set:
                 raise ValueError(f"backend.{name}: options of the {name!r} backend, but backend.kind is "
@@ -83,7 +90,8 @@ class BackendConfig(_Section):
 
 
 class EnvConfig(_Section):
-    name: str = Field("household", description="Built-in env name ('household') or 'package.module:Class' of your own Env.")
+    name: str = Field("household", description="Built-in env name ('household') or 'package.module:Class' of your own "
+        "Env.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the env's constructor.")
     max_turns: int = Field(12, ge=1, description="Most agent turns per episode; an episode that reaches it fails.")
     show_admissible: bool = Field(True, description="List the env's admissible actions in every observation.")
@@ -92,7 +100,8 @@ class EnvConfig(_Section):
         description="Replace a generated action that is not admissible by the closest admissible one (difflib "
         "similarity); the raw text is stored beside it. For models too small to copy actions reliably.",
     )
-    few_shot: bool = Field(True, description="Show the env's demonstration turns (a solved example) before each episode; never trained on.")
+    few_shot: bool = Field(True, description="Show the env's demonstration turns (a solved example) before each "
+        "episode; never trained on.")
 
 
 class GenerateConfig(_Section):
@@ -101,7 +110,8 @@ class GenerateConfig(_Section):
 
 
 class ExitConfig(_Section):
-    min_reward: float = Field(1.0, description="Trajectories with at least this reward (and success) become SFT examples.")
+    min_reward: float = Field(1.0, description="Trajectories with at least this reward (and success) become SFT "
+        "examples.")
     dedupe: bool = Field(True, description="Keep one example per distinct action sequence of a task.")
 
 
@@ -113,8 +123,10 @@ class SrdConfig(_Section):
         "logged and recorded with every note, never a silent fallback.",
     )
     pitfall: bool = Field(True, description="Write pitfall notes (Error / Rule / Example) from failed trajectories.")
-    knowledge: bool = Field(False, description="Also write knowledge notes (Knowledge / Rule + Details) from successful trajectories.")
-    notes_per_group: int = Field(2, ge=1, description="Most failed (or successful) trajectories per group that get a note.")
+    knowledge: bool = Field(False, description="Also write knowledge notes (Knowledge / Rule + Details) from "
+        "successful trajectories.")
+    notes_per_group: int = Field(2, ge=1, description="Most failed (or successful) trajectories per group that get a "
+        "note.")
     note_max_tokens: int = Field(96, ge=8, description="Most tokens of one note written by the policy.")
     note_temperature: float = Field(0.7, ge=0.0, description="Sampling temperature of the policy's notes.")
     foresight_samples: int = Field(1, ge=1, description="Foresight samples z the student draws per group with notes.")
@@ -122,17 +134,23 @@ class SrdConfig(_Section):
     foresight_temperature: float = Field(1.0, ge=0.0, description="Sampling temperature of the student's foresight.")
     action_channel: bool = Field(
         False,
-        description="(ours) Also distill the teacher's hindsight into the episode's own action tokens: the teacher sees "
-        "the group's notes in the episode's task message, the student does not; scored on the student's actions.",
+        description="(ours) Also distill the teacher's hindsight into the episode's own action tokens: the teacher "
+        "sees the group's notes in the episode's task message, the student does not; scored on the student's actions.",
     )
     action_trajectories: int = Field(2, ge=1, description="Most trajectories per group scored by the action channel.")
-    loss_weight: float = Field(0.01, ge=0.0, description="λ, the weight of the SRD loss: L = L_base + λ · D (the paper: 0.01).")
+    loss_weight: float = Field(0.01, ge=0.0, description="λ, the weight of the SRD loss: L = L_base + λ · D (the "
+        "paper: 0.01).")
     divergence: Literal["jsd", "forward_kl", "reverse_kl"] = Field(
-        "jsd", description="D(teacher ‖ student) per token: generalized JSD (with beta), forward KL(T‖S) or reverse KL(S‖T).")
-    beta: float = Field(0.5, gt=0.0, lt=1.0, description="Generalized JSD mixture weight of the teacher (0.5 = symmetric JSD).")
-    top_k: int = Field(100, ge=1, description="Divergence over the teacher's top-k tokens plus one bucket for the rest of the mass.")
-    is_clip: float | None = Field(2.0, gt=0.0, description="Per-token importance weight min(exp(logp_now - logp_sampled), clip), detached; null = off.")
-    ema_rate: float = Field(0.05, ge=0.0, le=1.0, description="EMA teacher: θ̄ ← (1 - rate) θ̄ + rate θ after each step; 0 = the teacher is the current weights.")
+        "jsd", description="D(teacher ‖ student) per token: generalized JSD (with beta), forward KL(T‖S) or "
+        "reverse KL(S‖T).")
+    beta: float = Field(0.5, gt=0.0, lt=1.0, description="Generalized JSD mixture weight of the teacher (0.5 = "
+        "symmetric JSD).")
+    top_k: int = Field(100, ge=1, description="Divergence over the teacher's top-k tokens plus one bucket for the "
+        "rest of the mass.")
+    is_clip: float | None = Field(2.0, gt=0.0, description="Per-token importance weight min(exp(logp_now - "
+        "logp_sampled), clip), detached; null = off.")
+    ema_rate: float = Field(0.05, ge=0.0, le=1.0, description="EMA teacher: θ̄ ← (1 - rate) θ̄ + rate θ after each "
+        "step; 0 = the teacher is the current weights.")
 
 
 class DistillConfig(_Section):
@@ -142,11 +160,13 @@ class DistillConfig(_Section):
         "of your own Method): exit (SFT on successes), srd (hindsight notes from failures distilled into foresight; "
         "trained alongside exit's SFT with weight srd.loss_weight = λ).")
     exit: ExitConfig = Field(default_factory=ExitConfig, description="ExIt: SFT on successful trajectories.")
-    srd: SrdConfig = Field(default_factory=SrdConfig, description="SRD: Self-Retrospection Distillation (METHODS.md §1).")
+    srd: SrdConfig = Field(default_factory=SrdConfig, description="SRD: Self-Retrospection Distillation (METHODS.md "
+        "§1).")
 
 
 class LoraConfig(_Section):
-    enabled: bool = Field(False, description="Train a LoRA adapter (PEFT) instead of all weights; merged into the checkpoint.")
+    enabled: bool = Field(False, description="Train a LoRA adapter (PEFT) instead of all weights; merged into the "
+        "checkpoint.")
     r: int = Field(16, ge=1, description="LoRA rank.")
     alpha: int = Field(32, ge=1, description="LoRA alpha.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout.")
@@ -157,20 +177,23 @@ class TrainConfig(_Section):
     epochs: float = Field(2.0, gt=0, description="Passes over the round's examples.")
     batch_size: int = Field(4, ge=1, description="Examples per device step.")
     grad_accum: int = Field(1, ge=1, description="Gradient accumulation steps.")
-    max_length: int = Field(2048, ge=16, description="Longest training sequence in tokens; longer examples are dropped and counted.")
+    max_length: int = Field(2048, ge=16, description="Longest training sequence in tokens; longer examples are "
+        "dropped and counted.")
     warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="Share of steps for linear warmup.")
     lr_scheduler: str = Field("constant", description="transformers scheduler name ('constant', 'cosine', 'linear').")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="Optional LoRA training.")
 
 
 class GateConfig(_Section):
-    heldout_tasks: int = Field(24, ge=1, description="Held-out tasks both candidate and champion play (same tasks, same seeds every round).")
+    heldout_tasks: int = Field(24, ge=1, description="Held-out tasks both candidate and champion play (same tasks, "
+        "same seeds every round).")
     seed: int = Field(1234, description="Seed of the held-out task sample and of evaluation sampling.")
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature for evaluation (0 = greedy: repeatable).")
     rule: Literal["no_worse", "better", "always"] = Field(
         "no_worse",
-        description="Promotion rule. no_worse: promote unless the candidate's Wilson upper bound is below the champion's "
-        "success rate (worse beyond the interval). better: promote only if the candidate's lower bound is above it. "
+        description="Promotion rule. no_worse: promote unless the candidate's Wilson upper bound is below the "
+        "champion's success rate (worse beyond the interval). better: promote only if the candidate's lower bound "
+        "is above it. "
         "always: promote every candidate.",
     )
     confidence: float = Field(0.95, gt=0.5, lt=1.0, description="Confidence level of the Wilson intervals.")
@@ -178,7 +201,8 @@ class GateConfig(_Section):
 
 class PrefectConfig(_Section):
     deployment: str = Field("default", description="Deployment name `rsiflow serve` registers for the round flow.")
-    cron: str | None = Field(None, description="Cron schedule for `rsiflow serve` (e.g. '0 */6 * * *'); none = on demand.")
+    cron: str | None = Field(None, description="Cron schedule for `rsiflow serve` (e.g. '0 */6 * * *'); none = on "
+        "demand.")
 
 
 class Config(_Section):
@@ -187,7 +211,8 @@ class Config(_Section):
     backend: BackendConfig = Field(default_factory=BackendConfig, description="Generation backend and sampling.")
     env: EnvConfig = Field(default_factory=EnvConfig, description="Task environment.")
     generate: GenerateConfig = Field(default_factory=GenerateConfig, description="Training rollouts per round.")
-    distill: DistillConfig = Field(default_factory=DistillConfig, description="Methods turning experience into examples.")
+    distill: DistillConfig = Field(default_factory=DistillConfig, description="Methods turning experience into "
+        "examples.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="TRL training of the candidate.")
     gate: GateConfig = Field(default_factory=GateConfig, description="Held-out comparison and promotion rule.")
     prefect: PrefectConfig = Field(default_factory=PrefectConfig, description="Prefect deployment and schedule.")

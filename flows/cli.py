@@ -52,11 +52,10 @@ def _print_report(cfg) -> None:
 def cmd_run(args) -> None:
     _prefect_env()
     files, cfg = _load(args)
+    from configs.schema import ConfigError
     from flows.round import improvement_round
     from tasks.common import open_store
     from tasks.setup import ensure_run
-
-    from configs.schema import ConfigError
 
     target = cfg.run.rounds if args.rounds is None else args.rounds
     try:
@@ -101,7 +100,8 @@ def cmd_status(args) -> None:
         if run is None:
             sys.exit(f"rsiflow: no run {cfg.run.name!r} in {cfg.run.store}")
         print(f"run {cfg.run.name!r}  store {cfg.run.store}")
-        print(f"champion: {store.champion(cfg.run.name)}   completed rounds: {max(0, store.last_completed_round(cfg.run.name))}")
+        done = max(0, store.last_completed_round(cfg.run.name))
+        print(f"champion: {store.champion(cfg.run.name)}   completed rounds: {done}")
         for r in store.step_history(cfg.run.name):
             err = f"  {r['error'].splitlines()[0]}" if r["error"] else ""
             print(f"  round {r['round']:>2}  {r['step']:<9} {r['status']:<10} {r['finished_at'] or ''}{err}")

@@ -50,7 +50,8 @@ def run_round(cfg: Config) -> dict:
     return {"round": round, "skipped": sorted(done), "results": results}
 
 
+# List defaults (never mutated) are what Prefect shows in the deployment's run form.
 @flow(name="improvement-round")
-def improvement_round(config: list[str] = ["configs/default.yaml"], overrides: list[str] = []) -> dict:
+def improvement_round(config: list[str] = ["configs/default.yaml"], overrides: list[str] = []) -> dict:  # noqa: B006
     """Run the next round of the run that `config` (YAML files, overlays last) names."""
     return run_round(load_config(config, overrides))

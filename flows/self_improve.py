@@ -11,7 +11,7 @@ from tasks.setup import ensure_run
 
 
 @flow(name="self-improve")
-def self_improve(config: list[str] = ["configs/default.yaml"], overrides: list[str] = [],
+def self_improve(config: list[str] = ["configs/default.yaml"], overrides: list[str] = [],  # noqa: B006 (Prefect's run form)
                  rounds: int | None = None) -> list[dict]:
     """Run rounds (each an `improvement-round` subflow) until `rounds` (default: run.rounds) are done."""
     cfg = load_config(config, overrides)

@@ -38,6 +38,7 @@ def exit_examples(trajectories: list[dict], min_reward: float = 1.0, dedupe: boo
         seen.add(key)
         out.append(Example(
             example_id=f"{t['traj_id']}/exit", method="exit", source_traj_id=t["traj_id"],
-            messages=t["messages"], weight=1.0, meta={"n_actions": len(actions), "reward": t["reward"], "train_from": train_from},
+            messages=t["messages"], weight=1.0,
+            meta={"n_actions": len(actions), "reward": t["reward"], "train_from": train_from},
         ))
     return out

@@ -18,8 +18,8 @@ from __future__ import annotations
 import difflib
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from envs.base import Env, TaskSpec
 from models.backend import GenerationBackend, SamplingParams
@@ -144,7 +144,8 @@ def run_episodes(
             obs = env.reset(ep.task)
             ep.messages = prompt_prefix(env, show_admissible, few_shot)
             ep.n_prefix = len(ep.messages)
-            ep.messages.append({"role": "user", "content": render_observation(obs, env.admissible_actions(), show_admissible)})
+            first = render_observation(obs, env.admissible_actions(), show_admissible)
+            ep.messages.append({"role": "user", "content": first})
         except Exception as exc:
             if env is None:
                 raise  # the env can't even be built: a config error, not an episode's

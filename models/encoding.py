@@ -105,7 +105,8 @@ def encode_rows(tokenizer, rows: list[dict], max_length: int) -> tuple[list[dict
                 continue
             counts["sampled_match"] += int(enc.pop("sampled_match"))
         else:
-            raise ValueError(f"training row {row.get('example_id')!r}: unknown kind {kind!r}; the trainer knows {KINDS}")
+            raise ValueError(f"training row {row.get('example_id')!r}: unknown kind {kind!r}; "
+                             f"the trainer knows {KINDS}")
         if max(len(enc["input_ids"]), len(enc["teacher_input_ids"])) > max_length:
             counts["too_long"] += 1
             counts[f"{kind}_too_long"] += 1

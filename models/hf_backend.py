@@ -91,7 +91,7 @@ class HFBackend:
 
     @classmethod
     def open(cls, model_path: str | Path, *, dtype: str = "float32", trust_remote_code: bool = False,
-             **options) -> "HFBackend":
+             **options) -> HFBackend:
         """The process-wide backend serving `model_path` with these options (loaded once, then reused by
         later pipeline steps); see `get_backend`."""
         return get_backend(model_path, dtype=dtype, trust_remote_code=trust_remote_code, **options)
@@ -107,7 +107,8 @@ class HFBackend:
                 "seconds": round(time.perf_counter() - start, 2)}
 
     def _load(self, model_path: str | Path) -> None:
-        model, tokenizer = load_model_and_tokenizer(model_path, dtype=self.dtype, trust_remote_code=self.trust_remote_code)
+        model, tokenizer = load_model_and_tokenizer(model_path, dtype=self.dtype,
+                                                    trust_remote_code=self.trust_remote_code)
         saved = model.generation_config
         # Sampling settings come from SamplingParams only: drop whatever the checkpoint suggests.
         model.generation_config = GenerationConfig(
@@ -295,8 +296,9 @@ class HFBackend:
                 mask, next_position, sampled = mask[index], next_position[index], sampled[index]
                 active = [active[b] for b in keep]
             mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
-            out = self.model(input_ids=sampled[:, None], attention_mask=mask, position_ids=next_position[:, None],
-                             cache=cache, use_cache=True, logits_to_keep=1)
+            out = self.model(  # noqa: F841 (read at the top of the next iteration; ruff misses it after `del`)
+                input_ids=sampled[:, None], attention_mask=mask, position_ids=next_position[:, None],
+                cache=cache, use_cache=True, logits_to_keep=1)
             next_position = next_position + 1
         return results
 

@@ -16,7 +16,7 @@ Conventions:
   queries join on, and left off `turns`, the one table that grows to millions of rows.
 """
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import duckdb
 
@@ -261,7 +261,7 @@ def apply_migrations(con: duckdb.DuckDBPyConnection) -> list[int]:
             con.execute(sql)
             con.execute(
                 "INSERT INTO schema_migrations VALUES (?, ?, ?)",
-                [version, name, datetime.now(timezone.utc).replace(tzinfo=None)],
+                [version, name, datetime.now(UTC).replace(tzinfo=None)],
             )
             con.commit()
         except BaseException:

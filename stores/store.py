@@ -19,10 +19,11 @@ the step failed). A process killed mid-step leaves the file as of the last commi
 import json
 import re
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import duckdb
 import pyarrow as pa
@@ -44,7 +45,7 @@ class StoreLockedError(RuntimeError):
 
 
 def _utcnow() -> datetime:
-    return datetime.now(timezone.utc).replace(tzinfo=None)
+    return datetime.now(UTC).replace(tzinfo=None)
 
 
 def _json_text(value: Any) -> str | None:
@@ -414,7 +415,8 @@ class Store:
         """The training metrics recorded with a model ({} for none, or an untrained model)."""
         if model_id is None:
             return {}
-        rows = self.rows("SELECT train_metrics FROM models WHERE model_id = ?", [model_id], json_cols=("train_metrics",))
+        rows = self.rows("SELECT train_metrics FROM models WHERE model_id = ?", [model_id],
+                         json_cols=("train_metrics",))
         return (rows[0]["train_metrics"] or {}) if rows else {}
 
     def step_tasks(self, run_id: str, round: int, step: str) -> list[dict]:
@@ -463,7 +465,8 @@ class Store:
     def projected_share(self, run_id: str, round: int) -> float | None:
         """Share of the round's generated actions that projection replaced (None without turns)."""
         return self._con.execute("SELECT avg(CASE WHEN raw_text IS NULL THEN 0 ELSE 1 END) FROM turns"
-                                 " WHERE run_id = ? AND round = ? AND step = 'generate'", [run_id, round]).fetchall()[0][0]
+                                 " WHERE run_id = ? AND round = ? AND step = 'generate'",
+                                 [run_id, round]).fetchall()[0][0]
 
     def count_examples(self, run_id: str, round: int) -> int:
         """Training examples the round's distill step wrote (all methods)."""
@@ -478,7 +481,8 @@ class Store:
 
     def step_metrics(self, run_id: str, round: int, step: str) -> dict | None:
         """What a completed step recorded about itself (`StepWriter.metrics`), or None."""
-        rows = self.rows("SELECT metrics FROM steps WHERE run_id = ? AND round = ? AND step = ? AND status = 'completed'",
+        rows = self.rows("SELECT metrics FROM steps"
+                         " WHERE run_id = ? AND round = ? AND step = ? AND status = 'completed'",
                          [run_id, round, step], json_cols=("metrics",))
         return rows[0]["metrics"] if rows else None
 

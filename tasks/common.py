@@ -7,7 +7,7 @@ step run again writes the same ids and replaces its rows.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 
@@ -23,7 +23,7 @@ STEPS = ("generate", "evaluate", "distill", "train", "gate", "deploy")
 
 def utcnow() -> datetime:
     """Naive UTC, as the store keeps timestamps; a step's start, passed to `Store.step`."""
-    return datetime.now(timezone.utc).replace(tzinfo=None)
+    return datetime.now(UTC).replace(tzinfo=None)
 
 
 def open_store(cfg: Config, read_only: bool = False) -> Store:
@@ -70,7 +70,8 @@ def episode_rows(episodes: list[Episode], model_id: str, purpose: str) -> tuple[
         })
         for i, t in enumerate(ep.turns):
             turns.append({
-                "traj_id": ep.traj_id, "turn_idx": i, "observation": t.observation, "action_text": t.action_text, "raw_text": t.raw_text,
+                "traj_id": ep.traj_id, "turn_idx": i, "observation": t.observation, "action_text": t.action_text,
+                "raw_text": t.raw_text,
                 "action_symbol": t.action_symbol, "token_ids": t.token_ids, "logprobs": t.logprobs,
                 "reward": t.reward, "done": t.done, "valid": t.valid, "feedback": t.feedback, "wall_s": t.wall_s,
             })

@@ -72,7 +72,8 @@ def markdown_table(run_id: str, rows: list[dict]) -> str:
         ts = f"{r['train_success']:.3f}" if r["train_success"] is not None else "-"
         secs = sum(r["step_seconds"].values())
         proj = f"{r['projected']:.2f}" if r["projected"] is not None else "-"
-        lines.append(f"| {r['round']} | {ts} | {r['all_fail']}/{r['all_pass']}/{r['mixed']} | {proj} | {r['examples']} | {loss} | "
+        lines.append(f"| {r['round']} | {ts} | {r['all_fail']}/{r['all_pass']}/{r['mixed']} | {proj} | "
+                     f"{r['examples']} | {loss} | "
                      f"{_fmt(r['champion_heldout'])} | {_fmt(r['candidate_heldout'])} | {r['decision']} | {secs:.0f} |")
     for name in dict.fromkeys(m for r in rows for m in r.get("methods", [])):
         section = method_class(name).report_section(rows)

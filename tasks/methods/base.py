@@ -16,9 +16,12 @@ from typing import Any, ClassVar
 
 @dataclass
 class Contribution:
-    examples: list[dict] = field(default_factory=list)            # `examples` rows: example_id, method, source_traj_id, messages, weight, meta
-    tables: dict[str, list[dict]] = field(default_factory=dict)   # rows of the method's own step-keyed tables
-    metrics: dict[str, Any] = field(default_factory=dict)         # per-round figures (stored with the distill step)
+    """What a method's distill gives the round: `examples` rows (example_id, method, source_traj_id, messages,
+    weight, meta), rows of its own step-keyed `tables`, and its per-round `metrics` (stored with the step)."""
+
+    examples: list[dict] = field(default_factory=list)
+    tables: dict[str, list[dict]] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

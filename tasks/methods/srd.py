@@ -19,8 +19,18 @@ from configs.schema import Config
 from envs.base import TaskSpec
 from methods.groups import group_counts, group_stats
 from methods.rollout import env_observation
-from methods.srd import (Attempt, ForesightPair, Note, action_pair, clean_note, failure_kind, foresight_pair,
-                         knowledge_note_messages, pitfall_note_messages, template_note)
+from methods.srd import (
+    Attempt,
+    ForesightPair,
+    Note,
+    action_pair,
+    clean_note,
+    failure_kind,
+    foresight_pair,
+    knowledge_note_messages,
+    pitfall_note_messages,
+    template_note,
+)
 from models.backend import SamplingParams
 from tasks.common import env_factory, round_seed
 from tasks.methods.base import Contribution, DistillContext, Method
@@ -267,7 +277,8 @@ class SRD(Method):
                  "action pairs | D |", "|---|---|---|---|---|---|---|---|"]
         for r in rows:
             m = r["srd"]
-            lines.append(f"| {r['round']} | {m['notes']} ({m['usable']}) | {m['writer']} | {num(m['note_tokens'], '.0f')} | "
+            lines.append(f"| {r['round']} | {m['notes']} ({m['usable']}) | {m['writer']} | "
+                         f"{num(m['note_tokens'], '.0f')} | "
                          f"{m['groups_with_signal']} | {m['foresight']} ({num(m['foresight_tokens'], '.0f')}) | "
                          f"{m['action_pairs']} | {num(m['distill_loss'], '.4f')} |")
         return lines
