@@ -61,7 +61,8 @@ def test_a_toy_method_runs_through_a_tiny_round_without_editing_a_step(tmp_path,
     result = improvement_round([TINY], tiny_overrides(tmp_path, "distill.methods=[toy]"))
     assert result["round"] == 1 and result["results"]["distill"]["examples"] == {"toy": 8}
     con = duckdb.connect(str(tmp_path / "store.duckdb"), read_only=True)
-    q = lambda sql, *p: con.execute(sql, list(p)).fetchall()  # noqa: E731
+    def q(sql, *p):
+        return con.execute(sql, list(p)).fetchall()
     n_gen, = q("SELECT count(*) FROM trajectories WHERE step = 'generate'")[0]
     assert q("SELECT method, count(*), min(weight), max(weight) FROM examples GROUP BY 1") == [
         ("toy", n_gen, TOY_WEIGHT, TOY_WEIGHT)]

@@ -62,7 +62,8 @@ def test_kill_9_mid_round_then_resume(tmp_path):
     out = subprocess.run(cmd, cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     con = duckdb.connect(str(db), read_only=True)
-    q = lambda sql: con.execute(sql).fetchall()
+    def q(sql):
+        return con.execute(sql).fetchall()
     # finished, each step completed once, the steps done before the kill were not run again
     assert q("SELECT status FROM rounds WHERE round = 1") == [("completed",)]
     assert q("SELECT count(*), count(DISTINCT step) FROM steps WHERE round = 1 AND status = 'completed'") == [(6, 6)]
@@ -95,7 +96,8 @@ def test_deployment_run_through_local_prefect_server(tmp_path):
     procs = []
     try:
         server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                   "--port", str(port)], cwd=tmp_path, env=env, stdout=open(tmp_path / "server.log", "w"),
+                                   "--port", str(port)], cwd=tmp_path, env=env,
+                                  stdout=open(tmp_path / "server.log", "w"),
                                   stderr=subprocess.STDOUT, start_new_session=True)
         procs.append(server)
         import urllib.request
@@ -114,15 +116,18 @@ def test_deployment_run_through_local_prefect_server(tmp_path):
         procs.append(serve)
         deadline = time.time() + 90
         while True:
-            found = subprocess.run([sys.executable, "-m", "prefect", "deployment", "inspect", "improvement-round/default"],
+            found = subprocess.run([sys.executable, "-m", "prefect", "deployment", "inspect",
+                                    "improvement-round/default"],
                                    env=env, capture_output=True, text=True, timeout=60)
             if found.returncode == 0:
                 break
             assert serve.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
             time.sleep(1)
         run = subprocess.run([sys.executable, "-m", "prefect", "deployment", "run", "improvement-round/default",
-                              "--watch", "--watch-timeout", "240"], env=env, capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:] + (tmp_path / "serve.log").read_text()[-3000:]
+                              "--watch", "--watch-timeout", "240"],
+                             env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, (run.stdout[-3000:] + run.stderr[-2000:]
+                                     + (tmp_path / "serve.log").read_text()[-3000:])
         with Store(tmp_path / "store.duckdb", read_only=True) as s:
             assert s.round_status("tiny", 1) == "completed"
             assert s.champion("tiny") is not None

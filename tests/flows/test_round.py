@@ -19,16 +19,21 @@ def test_one_full_round_on_tiny(tmp_path, prefect_api):
     n_eval = cfg.gate.heldout_tasks
 
     con = duckdb.connect(str(tmp_path / "store.duckdb"), read_only=True)
-    q = lambda sql, *p: con.execute(sql, list(p)).fetchall()
-    assert q("SELECT step FROM steps WHERE round = 1 AND status = 'completed' ORDER BY step") == sorted((s,) for s in STEPS)
+    def q(sql, *p):
+        return con.execute(sql, list(p)).fetchall()
+    assert q("SELECT step FROM steps WHERE round = 1 AND status = 'completed' ORDER BY step") == sorted(
+        (s,) for s in STEPS)
     assert q("SELECT status, champion_after IS NOT NULL FROM rounds WHERE round = 1") == [("completed", True)]
     # generate: G rollouts per task, all by the base model
     assert q("SELECT count(*) FROM trajectories WHERE step = 'generate'") == [(n_gen,)]
     assert q("SELECT DISTINCT model_id FROM trajectories WHERE step = 'generate'") == [("tiny/base",)]
-    assert q("SELECT count(*) FROM turns t JOIN trajectories j USING (traj_id)") == q("SELECT sum(n_turns) FROM trajectories")
+    assert q("SELECT count(*) FROM turns t JOIN trajectories j USING (traj_id)") == q(
+        "SELECT sum(n_turns) FROM trajectories")
     # every trajectory's model is in the registry; the base's held-out evaluation per task type plus '*'
-    assert q("SELECT count(*) FROM trajectories t LEFT JOIN models m USING (model_id) WHERE m.model_id IS NULL") == [(0,)]
-    assert q("SELECT count(*) FROM evaluations WHERE split = 'heldout' AND task_type = '*' AND model_id = 'tiny/base'") == [(1,)]
+    assert q("SELECT count(*) FROM trajectories t LEFT JOIN models m USING (model_id)"
+             " WHERE m.model_id IS NULL") == [(0,)]
+    assert q("SELECT count(*) FROM evaluations WHERE split = 'heldout' AND task_type = '*'"
+             " AND model_id = 'tiny/base'") == [(1,)]
     (n_examples,), = q("SELECT count(*) FROM examples")
     (decision, evidence), = q("SELECT decision, evidence FROM gate_decisions WHERE round = 1")
     ev = json.loads(evidence)
@@ -39,7 +44,8 @@ def test_one_full_round_on_tiny(tmp_path, prefect_api):
         assert q("SELECT count(*) FROM trajectories WHERE step = 'gate'") == [(n_eval,)]
     else:
         assert decision == "promote" and ev["rule"] == "always"
-        assert q("SELECT parent_id, role FROM models WHERE model_id = 'tiny/r1/candidate'") == [("tiny/base", "champion")]
+        assert q("SELECT parent_id, role FROM models WHERE model_id = 'tiny/r1/candidate'") == [
+            ("tiny/base", "champion")]
     con.close()
     report = tmp_path / "runs" / "tiny" / "report"
     assert "| 1 |" in (report / "report.md").read_text()
@@ -80,7 +86,8 @@ def test_trained_candidate_is_gated_promoted_and_serves(tmp_path, prefect_api):
     result = improvement_round([TINY], overrides)
     assert result["round"] == 1 and result["skipped"] == ["distill", "evaluate", "generate"]
     con = duckdb.connect(cfg.run.store, read_only=True)
-    q = lambda sql: con.execute(sql).fetchall()
+    def q(sql):
+        return con.execute(sql).fetchall()
     (metrics,), = q("SELECT train_metrics FROM models WHERE model_id = 'tiny/r1/candidate'")
     metrics = json.loads(metrics)
     assert metrics["examples"] == 4 and metrics["steps"] > 0 and metrics["trained_tokens"] > 0
@@ -98,12 +105,13 @@ def test_second_round_reuses_champion_results_and_continues(tmp_path, prefect_ap
     assert second["round"] == 2
     con = duckdb.connect(str(tmp_path / "store.duckdb"), read_only=True)
     (champion_after_1,), = con.execute("SELECT new_champion_id FROM gate_decisions WHERE round = 1").fetchall()
-    (champion_id, evidence), = con.execute("SELECT champion_id, evidence FROM gate_decisions WHERE round = 2").fetchall()
+    (champion_id, evidence), = con.execute(
+        "SELECT champion_id, evidence FROM gate_decisions WHERE round = 2").fetchall()
     # round 2's champion is round 1's outcome, already evaluated on the same held-out tasks
     assert champion_id == champion_after_1
     assert json.loads(evidence)["champion_results_reused"] is True
-    assert con.execute("SELECT DISTINCT model_id FROM trajectories WHERE round = 2 AND step = 'generate'").fetchall() == [
-        (champion_after_1,)]
+    assert con.execute("SELECT DISTINCT model_id FROM trajectories"
+                       " WHERE round = 2 AND step = 'generate'").fetchall() == [(champion_after_1,)]
     con.close()
 
 

@@ -15,7 +15,8 @@ def test_srd_round_learns_from_all_fail_groups_with_lineage(tmp_path, prefect_ap
     result = improvement_round([TINY], overrides)
     assert result["round"] == 1
     con = duckdb.connect(str(tmp_path / "store.duckdb"), read_only=True)
-    q = lambda sql, *p: con.execute(sql, list(p)).fetchall()
+    def q(sql, *p):
+        return con.execute(sql, list(p)).fetchall()
     (groups, failed_groups), = q("SELECT count(DISTINCT group_id), count(DISTINCT group_id) FILTER (WHERE NOT success)"
                                  " FROM trajectories WHERE step = 'generate'")
     assert failed_groups > 0  # the tiny random model fails: SRD's regime
@@ -45,7 +46,8 @@ def test_srd_round_learns_from_all_fail_groups_with_lineage(tmp_path, prefect_ap
         [(2 * failed_groups,)]
     (rm,), = q("SELECT metrics FROM rounds WHERE round = 1")
     srd = json.loads(rm)["srd"]
-    assert srd["groups_with_signal"] == failed_groups and srd["writer"] == "template" and srd["action_pairs"] == failed_groups
+    assert srd["groups_with_signal"] == failed_groups and srd["writer"] == "template"
+    assert srd["action_pairs"] == failed_groups
     con.close()
     report = (tmp_path / "runs" / "tiny" / "report" / "report.md").read_text()
     assert "SRD per round" in report and "| template |" in report

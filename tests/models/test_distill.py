@@ -8,8 +8,8 @@ from transformers import AutoTokenizer
 
 from configs.schema import TrainConfig
 from models.encoding import MisalignedCompletion, encode_pair
-from models.losses import importance_weights, topk_divergence
 from models.loading import load_model_and_tokenizer
+from models.losses import importance_weights, topk_divergence
 from models.trainer import DistillLoss, train_candidate
 
 # teacher p = [0.5, 0.3, 0.15, 0.05], student q uniform; k = 2: the teacher's top-2 are tokens 0 and 1,
@@ -134,13 +134,15 @@ def test_sampled_logprobs_attach_only_when_the_encoding_reproduces_the_sampled_t
     enc = encode_pair(tok, student, teacher, 2, completion_ids=ids, sampling_logprobs=[-0.5] * len(ids))
     assert enc["sampled_match"] and enc["sampled_logprobs"][: len(ids)] == [-0.5] * len(ids)
     assert all(math.isnan(x) for x in enc["sampled_logprobs"][len(ids):])  # the end-of-turn tokens
-    other = encode_pair(tok, student, teacher, 2, completion_ids=[ids[0] + 1] + ids[1:], sampling_logprobs=[-0.5] * len(ids))
+    other = encode_pair(tok, student, teacher, 2, completion_ids=[ids[0] + 1] + ids[1:],
+                        sampling_logprobs=[-0.5] * len(ids))
     assert not other["sampled_match"] and all(math.isnan(x) for x in other["sampled_logprobs"])
 
 
 def test_distillation_alone_trains_and_shrinks_the_divergence(tiny_path, tmp_path, tok):
     student, teacher = _pair()
-    examples = [{"example_id": f"d{i}", "kind": "distill", "student": student, "teacher": teacher, "train_from": 2, "weight": 1.0}
+    examples = [{"example_id": f"d{i}", "kind": "distill", "student": student, "teacher": teacher,
+                 "train_from": 2, "weight": 1.0}
                 for i in range(4)]
     cfg = TrainConfig(learning_rate=1e-3, epochs=6, batch_size=2)
     metrics, used = train_candidate(tiny_path, examples, tmp_path / "cand", cfg,
@@ -157,8 +159,10 @@ def test_distillation_alone_trains_and_shrinks_the_divergence(tiny_path, tmp_pat
 
 def test_mixed_sft_and_distillation_batches_with_an_ema_teacher(tiny_path, tmp_path, tok):
     student, teacher = _pair()
-    sft = [{"example_id": f"s{i}", "kind": "sft", "messages": student, "weight": 1.0, "train_from": 2} for i in range(2)]
-    dis = [{"example_id": f"d{i}", "kind": "distill", "student": student, "teacher": teacher, "train_from": 2, "weight": 0.5}
+    sft = [{"example_id": f"s{i}", "kind": "sft", "messages": student, "weight": 1.0, "train_from": 2}
+           for i in range(2)]
+    dis = [{"example_id": f"d{i}", "kind": "distill", "student": student, "teacher": teacher,
+            "train_from": 2, "weight": 0.5}
            for i in range(2)]
     leaked = [dict(m) for m in student]
     leaked[2] = {"role": "assistant", "content": "leak " + student[2]["content"]}

@@ -122,7 +122,8 @@ def test_stop_string_on_a_token_boundary_cuts_text_and_tokens(backend):
     start = _token_starts(backend, full.token_ids)[6]
     stop = full.text[start:start + 3]
     assert full.text.find(stop) == start
-    out = backend.generate(conversation, SamplingParams(max_new_tokens=20, temperature=0.0, stop=("@@never@@", stop)))[0]
+    out = backend.generate(conversation,
+                           SamplingParams(max_new_tokens=20, temperature=0.0, stop=("@@never@@", stop)))[0]
     assert out.finish_reason == "stop" and out.extra["stop"] == stop
     assert out.text == full.text[:start]
     assert out.token_ids == full.token_ids[:6]  # the stop string's tokens are dropped

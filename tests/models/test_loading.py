@@ -30,7 +30,8 @@ def test_tiny_model_shares_smollm2_architecture_and_tokenizer(tiny_path):
     assert model.config.vocab_size == len(tokenizer) == 49152
     assert model.config.tie_word_embeddings
     assert tokenizer.pad_token == tokenizer.eos_token == "<|im_end|>"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                         tokenize=False)
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 

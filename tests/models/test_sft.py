@@ -9,8 +9,8 @@ from transformers import AutoTokenizer
 from configs.schema import TrainConfig
 from envs import make_env
 from methods.rollout import prompt_prefix, render_observation
-from models.loading import load_model_and_tokenizer
 from models.encoding import encode_rows, tokenize_conversation
+from models.loading import load_model_and_tokenizer
 from models.losses import weighted_token_ce
 from models.trainer import train_candidate
 
@@ -20,7 +20,8 @@ def expert_conversation(seed: int):
     env = make_env("household")
     task = env.sample_tasks("train", 1, seed)[0]
     prefix = prompt_prefix(env)
-    msgs = list(prefix) + [{"role": "user", "content": render_observation(env.reset(task), env.admissible_actions(), True)}]
+    first = render_observation(env.reset(task), env.admissible_actions(), True)
+    msgs = list(prefix) + [{"role": "user", "content": first}]
     while True:
         action = env.expert_action()
         res = env.step(action)
@@ -55,7 +56,7 @@ def test_labels_cover_exactly_the_episode_actions(tiny_path):
     demo = [m["content"] for m in msgs[:train_from] if m["role"] == "assistant"]
     assert demo and not set(demo) & set(decoded)
     everything = tokenize_conversation(tok, msgs, 0)
-    assert sum(l != -100 for l in everything["labels"]) > sum(l != -100 for l in out["labels"])
+    assert sum(x != -100 for x in everything["labels"]) > sum(x != -100 for x in out["labels"])
 
 
 def test_too_long_examples_are_dropped_and_counted(tiny_path):
@@ -79,7 +80,8 @@ def test_weighted_loss_scales_with_example_weight(tiny_path):
     assert full.item() == pytest.approx(4 * half.item(), rel=1e-5)
     # weight 1 is the model's own token-mean cross-entropy (what TRL's loss would give)
     plain = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-    assert weighted_token_ce(logits, batch["labels"], torch.tensor([1.0])).item() == pytest.approx(plain.item(), rel=1e-5)
+    weighted = weighted_token_ce(logits, batch["labels"], torch.tensor([1.0]))
+    assert weighted.item() == pytest.approx(plain.item(), rel=1e-5)
 
 
 def test_train_sft_learns_expert_actions(tiny_path, tmp_path):

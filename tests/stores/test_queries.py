@@ -53,9 +53,11 @@ def test_named_reads_of_a_round(store):
         store.model_path("ghost")
     assert store.rows("SELECT role FROM models WHERE model_id = 'cand'") == [{"role": "champion"}]
     assert store.train_metrics("cand") == {"train_loss": 0.5} and store.train_metrics(None) == {}
-    assert [(t["task_id"], t["task_type"], t["seed"]) for t in store.step_tasks(RUN, 1, "generate")] == [("k1", "heat", 7)]
+    tasks = store.step_tasks(RUN, 1, "generate")
+    assert [(t["task_id"], t["task_type"], t["seed"]) for t in tasks] == [("k1", "heat", 7)]
     trajs = store.step_trajectories(RUN, 1, "generate")
-    assert [(t["traj_id"], t["task_type"], t["success"]) for t in trajs] == [("t1", "heat", True), ("t2", "heat", False)]
+    assert [(t["traj_id"], t["task_type"], t["success"]) for t in trajs] == [
+        ("t1", "heat", True), ("t2", "heat", False)]
     assert [(t["traj_id"], t["turn_idx"], t["raw_text"]) for t in store.step_turns(RUN, 1, "generate")] == [
         ("t1", 0, "A."), ("t1", 1, None), ("t2", 0, None)]
     assert [r["traj_id"] for r in store.eval_trajectories(RUN, "cand")] == ["v1"]
