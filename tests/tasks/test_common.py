@@ -65,5 +65,8 @@ def test_training_encodes_a_row_with_the_tools_generation_saw(tiny_path):
     (plain,), _ = encode_rows(tok, [{"kind": "sft", "messages": msgs, "example_id": "a"}], 512)
     (with_tools,), _ = encode_rows(tok, [{"kind": "sft", "messages": msgs, "example_id": "a", "tools": tools}], 512)
     assert len(with_tools["input_ids"]) > len(plain["input_ids"])
-    n_labels = lambda r: sum(x != -100 for x in r["labels"])  # noqa: E731
+
+    def n_labels(row):
+        return sum(x != -100 for x in row["labels"])
+
     assert n_labels(with_tools) == n_labels(plain) > 0  # the same action tokens are trained
