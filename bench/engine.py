@@ -58,7 +58,8 @@ def baseline_seconds(backend: HFBackend, calls, params: SamplingParams) -> tuple
             n_new = max(1, max(_sampled(gens[i]) for i in chunk))
             width = max(len(prompts[i]) for i in chunk)
             ids = torch.tensor([[tok.pad_token_id] * (width - len(prompts[i])) + prompts[i] for i in chunk])
-            mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(prompts[i]) for i in chunk])[:, None]).long()
+            pad = torch.tensor([width - len(prompts[i]) for i in chunk])
+            mask = (torch.arange(width)[None, :] >= pad[:, None]).long()
             cfg = GenerationConfig(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=params.temperature > 0,
                                    temperature=params.temperature or None, top_p=params.top_p, top_k=0,
                                    pad_token_id=tok.pad_token_id, eos_token_id=None)
@@ -101,8 +102,8 @@ def main() -> None:
     base_rate = sampled / base_s
     prefill = sum(g.extra.get("prefill_tokens", g.prompt_tokens) for _, gens in rec.calls for g in gens) / len(episodes)
     final_ctx = sum(_final_context(backend, e) for e in episodes) / len(episodes)
-    print(f"model {args.model}  kv_reuse {args.kv_reuse}  episodes {args.episodes}  max_turns {args.max_turns}  batch {args.batch}  "
-          f"torch threads {torch.get_num_threads()}")
+    print(f"model {args.model}  kv_reuse {args.kv_reuse}  episodes {args.episodes}  max_turns {args.max_turns}  "
+          f"batch {args.batch}  torch threads {torch.get_num_threads()}")
     print(f"engine   : {sampled} sampled tokens ({kept} kept) in {engine_s:.2f} s = {engine_rate:.1f} tok/s "
           f"(of which backend.generate {rec.seconds:.2f} s)")
     print(f"baseline : the same {sampled} tokens in {base_s:.2f} s = {base_rate:.1f} tok/s (plain model.generate, same "

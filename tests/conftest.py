@@ -1,4 +1,5 @@
-"""Test-session setup: Prefect gets its own home (ephemeral API, no server), no telemetry."""
+"""Test-session setup: Prefect gets its own home (ephemeral API, no server), no telemetry; tests that
+use the Prefect API fixture are marked slow."""
 
 import os
 import tempfile
@@ -44,3 +45,13 @@ def tiny_path(model_cache) -> Path:
     from models.loading import resolve_base_model
 
     return resolve_base_model("tiny:0", model_cache)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """Marks `slow` every test that uses the `prefect_api` fixture (it runs a Prefect flow against a
+    temporary Prefect server), also where its file has no `@pytest.mark.slow`. `tryfirst` runs this
+    before pytest's own `-m` selection."""
+    for item in items:
+        if "prefect_api" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

@@ -14,7 +14,8 @@ from tests.conftest import REPO, TINY
 
 
 def test_arm_overrides_keep_brackets_and_quotes_together():
-    assert split_overrides("distill.methods=[exit,srd],train.epochs=2") == ["distill.methods=[exit,srd]", "train.epochs=2"]
+    assert split_overrides("distill.methods=[exit,srd],train.epochs=2") == [
+        "distill.methods=[exit,srd]", "train.epochs=2"]
     assert split_overrides("a.b={x: 1, y: 2}; c.d='p,q'") == ["a.b={x: 1, y: 2}", "c.d='p,q'"]
     assert parse_arm("exit") .overrides == []
     arm = parse_arm("srd:distill.methods=[exit,srd]")
@@ -70,7 +71,10 @@ def test_compare_runs_arms_and_seeds_on_tiny(tmp_path):
     rows = list(csv.DictReader(open(out / "table.csv")))
     assert [(r["arm"], r["round"]) for r in rows] == [("a", "0"), ("a", "1"), ("b", "0"), ("b", "1")]
     con = duckdb.connect(str(out / "compare.duckdb"), read_only=True)
-    q = lambda sql, *p: con.execute(sql, list(p)).fetchall()
+
+    def q(sql, *params):
+        return con.execute(sql, list(params)).fetchall()
+
     assert sorted(r for (r,) in q("SELECT run_id FROM runs")) == ["a-s0", "a-s1", "b-s0", "b-s1"]
     assert q("SELECT DISTINCT config->'$.run'->>'seed' FROM runs WHERE run_id LIKE '%-s1'") == [("1",)]
     assert q("SELECT DISTINCT config->'$.train'->>'learning_rate' FROM runs WHERE run_id LIKE 'b-%'") == [("0.0001",)]
@@ -87,7 +91,8 @@ def test_compare_runs_arms_and_seeds_on_tiny(tmp_path):
         decisions = q("SELECT decision, count(*) FROM gate_decisions WHERE round = 1 AND run_id IN (?, ?)"
                       " GROUP BY decision ORDER BY decision", *runs)
         assert r["decisions"] == ";".join(f"{d}:{c}" for d, c in decisions)
-        (wall,), = q("SELECT avg(epoch(finished_at - started_at)) FROM rounds WHERE round = 1 AND run_id IN (?, ?)", *runs)
+        (wall,), = q("SELECT avg(epoch(finished_at - started_at)) FROM rounds"
+                     " WHERE round = 1 AND run_id IN (?, ?)", *runs)
         assert float(r["wall_s_mean"]) == pytest.approx(wall, abs=0.01)
         assert r["examples"] != ""   # a key of the rounds' metrics JSON, flattened into a column
     con.close()
@@ -113,6 +118,8 @@ def test_compare_runs_arms_and_seeds_on_tiny(tmp_path):
     second = subprocess.run(merge_cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0 and "merged runs []" in second.stdout
     con = duckdb.connect(str(merged / "compare.duckdb"), read_only=True)
+    source = duckdb.connect(str(out / "compare.duckdb"), read_only=True)
     assert con.execute("SELECT count(*) FROM trajectories").fetchall() == \
-        duckdb.connect(str(out / "compare.duckdb"), read_only=True).execute("SELECT count(*) FROM trajectories").fetchall()
+        source.execute("SELECT count(*) FROM trajectories").fetchall()
+    source.close()
     con.close()

@@ -46,5 +46,6 @@ def test_bench_round_on_tiny(tmp_path):
             re.finditer(r"^  (generate|model load|env|train|store|report|prefect|other)\s+([\d.]+)", out, re.M)}
     assert len(cats) == 8 and sum(cats.values()) == pytest.approx(wall, rel=0.02)
     assert cats["generate"] > 0 and cats["store"] > 0 and cats["env"] > 0 and cats["prefect"] > 0
-    share = float(re.search(r"orchestration \(prefect \+ store\) / round wall = [\d.]+ / [\d.]+ s = ([\d.]+)", out).group(1))
+    share = re.search(r"orchestration \(prefect \+ store\) / round wall = [\d.]+ / [\d.]+ s = ([\d.]+)", out)
+    share = float(share.group(1))
     assert share == pytest.approx((cats["prefect"] + cats["store"]) / wall, abs=0.01)

@@ -40,6 +40,7 @@ def test_observations_are_normalized_to_one_order():
 
 
 @needs_runtime
+@pytest.mark.slow
 def test_splits_come_from_scienceworld_train_dev_test():
     env = make_env("scienceworld", task_names=SHORT)
     try:
@@ -60,6 +61,7 @@ def test_splits_come_from_scienceworld_train_dev_test():
 
 
 @needs_runtime
+@pytest.mark.slow
 def test_expert_solves_and_hindsight_has_the_gold_path():
     env = make_env("scienceworld", task_names=SHORT, max_steps=40)
     try:
@@ -105,6 +107,7 @@ def test_more_episodes_than_jvms_replay_to_the_same_results():
 
 
 @needs_runtime
+@pytest.mark.slow
 def test_refusals_never_reach_or_break_the_simulator():
     env = make_env("scienceworld", task_names=SHORT)
     try:

@@ -23,6 +23,7 @@ def start(script: str) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.slow
 def test_locked_store_raises_then_opens_after_holder_exits(tmp_path):
     path = tmp_path / "rsiflow.duckdb"
     holder = start(f"""
@@ -44,6 +45,7 @@ def test_locked_store_raises_then_opens_after_holder_exits(tmp_path):
         assert store.list_runs() == []
 
 
+@pytest.mark.slow
 def test_opening_waits_for_a_short_holder(tmp_path):
     path = tmp_path / "rsiflow.duckdb"
     holder = start(f"""
@@ -58,6 +60,7 @@ def test_opening_waits_for_a_short_holder(tmp_path):
     holder.wait()
 
 
+@pytest.mark.slow
 def test_kill_mid_step_keeps_last_commit(tmp_path):
     path = tmp_path / "rsiflow.duckdb"
     writer = start(f"""
