@@ -52,6 +52,9 @@ class ModelConfig(_Section):
 
 
 class HFBackendConfig(_Section):
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="Weights dtype for generation only; null = model.dtype. E.g. bfloat16 sampling with a "
+        "float32 trainer: a real rollout/trainer mismatch on CPU.")
     max_batch_size: int = Field(16, ge=1, description="Most conversations per generate call; larger batches are split "
         "(the 2-core CPU slows down sharply above 16).")
     kv_reuse: bool = Field(
@@ -153,15 +156,46 @@ class SrdConfig(_Section):
         "step; 0 = the teacher is the current weights.")
 
 
+class GrpoConfig(_Section):
+    advantage: Literal["grpo", "dr_grpo"] = Field(
+        "grpo", description="Group-relative advantage: grpo (r - mean) / (std + eps); dr_grpo r - mean (no std "
+        "scaling).")
+    eps: float = Field(1e-4, gt=0.0, description="eps of the grpo advantage's std.")
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = Field(
+        "dapo", description="TRL's GRPO loss normalisation over tokens: grpo (mean per sequence, then over "
+        "sequences), dapo (token mean over the optimizer step), dr_grpo (sum / constant train.max_length), bnpo "
+        "(token mean per micro-batch).")
+    epsilon: float = Field(0.2, gt=0.0, description="PPO clip range ε of the ratio π/π_old (low side; high side "
+        "too unless epsilon_high).")
+    epsilon_high: float | None = Field(None, gt=0.0, description="Clip-higher ε_high (DAPO: 0.28); null = "
+        "epsilon.")
+    beta: float = Field(0.0, ge=0.0, description="KL(π ‖ π_ref) weight; the reference is the round's champion.")
+    passes: int = Field(1, ge=1, description="Optimisation passes over the round's rows (minibatches of "
+        "train.batch_size × train.grad_accum trajectories per optimizer step); ratios against the sampler's policy.")
+    correction: Literal["none", "tis", "cis", "mask"] = Field(
+        "tis", description="Rollout/trainer mismatch correction per sampled token, k = π_train / π_sample: tis "
+        "min(k, tis_cap); cis min(k, 1 + cis_lambda·max(1 - π_train, cis_kappa)); mask drops tokens with k "
+        "outside [1/tis_cap, tis_cap]; none.")
+    tis_cap: float = Field(2.0, gt=1.0, description="C of tis (and the band of mask).")
+    cis_lambda: float = Field(2.3, gt=0.0, description="λ of cis (arXiv 2609.32444).")
+    cis_kappa: float = Field(5e-3, gt=0.0, description="κ of cis.")
+    skip_zero_advantage: bool = Field(
+        True, description="Don't compute rows whose advantage is 0 (uniform groups) when beta = 0: their policy "
+        "gradient is exactly 0. They are stored and counted either way.")
+
+
 class DistillConfig(_Section):
     methods: list[str] = Field(
         ["exit"], min_length=1,
         description="Methods that make training signal this round (tasks/methods: METHODS, or 'package.module:Class' "
         "of your own Method): exit (SFT on successes), srd (hindsight notes from failures distilled into foresight; "
-        "trained alongside exit's SFT with weight srd.loss_weight = λ).")
+        "trained alongside the other methods' loss with weight srd.loss_weight = λ), grpo (policy gradient with "
+        "group-relative advantages, TRL's GRPO loss).")
     exit: ExitConfig = Field(default_factory=ExitConfig, description="ExIt: SFT on successful trajectories.")
     srd: SrdConfig = Field(default_factory=SrdConfig, description="SRD: Self-Retrospection Distillation (METHODS.md "
         "§1).")
+    grpo: GrpoConfig = Field(default_factory=GrpoConfig, description="GRPO: policy gradient on the round's groups "
+        "(TRL's GRPO loss).")
 
 
 class LoraConfig(_Section):

@@ -34,12 +34,13 @@ class Turn:
     raw_text: str | None      # the generated text when projection changed it, else None
     action_symbol: str
     token_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[float]     # sampling logprobs (after temperature and top-p)
     reward: float = 0.0
     done: bool = False
     valid: bool = True
     feedback: str = "ok"
     wall_s: float = 0.0
+    temp_logprobs: list[float] = field(default_factory=list)  # after temperature only (models/backend.py)
 
 
 @dataclass
@@ -175,7 +176,8 @@ def run_episodes(
                 ep.turns.append(Turn(
                     observation=observation, action_text=action, raw_text=raw if raw != action else None,
                     action_symbol=symbol,
-                    token_ids=list(gen.token_ids), logprobs=list(gen.logprobs), reward=float(res.reward),
+                    token_ids=list(gen.token_ids), logprobs=list(gen.logprobs),
+                    temp_logprobs=list(gen.temp_logprobs), reward=float(res.reward),
                     done=done, valid=bool(res.info.get("valid", True)), feedback=str(res.info.get("feedback", "ok")),
                     wall_s=dt,
                 ))

@@ -4,7 +4,8 @@ A backend takes a batch of chat conversations (lists of {"role", "content"} mess
 the model's chat template with a generation prompt (and the env's tool schemas, where it has
 any), samples one completion per conversation and returns text, token ids, per-token *sampling*
 logprobs (log-probabilities of the sampled tokens under the distribution actually sampled from,
-i.e. after temperature/top-p) and a finish reason.
+i.e. after temperature/top-p), their logprobs after temperature only (`temp_logprobs`, no
+truncation: what a trainer recomputes) and a finish reason.
 
 Redeploy is part of the protocol: `serve(model_path)` makes a backend serve another checkpoint
 from then on (the `hf` backend reloads the weights in its process) and returns a record of what
@@ -42,6 +43,9 @@ class Generation:
     finish_reason: str           # "stop" (eos or stop string) | "length"
     prompt_tokens: int           # tokens of the templated prompt (prefill for this request)
     extra: dict = field(default_factory=dict)
+    # per kept token: its logprob after temperature only (no top-p/top-k truncation), what a trainer
+    # recomputes; used for the rollout/trainer mismatch correction (methods/grpo.py)
+    temp_logprobs: list[float] = field(default_factory=list)
 
 
 class GenerationBackend(Protocol):

@@ -8,7 +8,9 @@ What it really does, per `generate` call:
 - samples with temperature and top-p only (temperature 0: greedy); `seed` seeds torch's RNG for
   the call (results then depend on the seed and the batch, not on any earlier call);
 - records per-token sampling logprobs: the log-softmax of the scores actually sampled from
-  (after temperature/top-p; raw logits when greedy), taken at the sampled token;
+  (after temperature/top-p; raw logits when greedy), taken at the sampled token; and, as
+  `temp_logprobs`, the log-softmax after temperature only (no top-p truncation: what a trainer that
+  divides its logits by the temperature recomputes; the same as `logprobs` when greedy or top_p = 1);
 - cuts each row at its first eos and at the first occurrence of any stop string.
 
 What is kept, so a trainer can reproduce it: `token_ids` are the generated tokens before eos and,
@@ -257,6 +259,8 @@ class HFBackend:
 
         tokens: list[list[int]] = [[] for _ in range(batch)]
         logprobs: list[list[float]] = [[] for _ in range(batch)]
+        temp_logprobs: list[list[float]] = [[] for _ in range(batch)]
+        temperature_only = _warpers(params, top_p=False)
         results: list[Generation | None] = [None] * batch
         active = list(range(batch))  # chunk rows still in the batch, in batch order
         budget = self.kv_store_max_tokens - sum(len(e.ids) for e in new_store)
@@ -271,10 +275,14 @@ class HFBackend:
             else:
                 sampled = torch.argmax(scores, dim=-1)
             sampled_logprobs = torch.log_softmax(scores, dim=-1).gather(1, sampled[:, None]).squeeze(1)
+            temp_scores = torch.log_softmax(temperature_only(None, logits), dim=-1)
+            sampled_temp = temp_scores.gather(1, sampled[:, None]).squeeze(1)
             keep = []
-            for b, (row, token, logprob) in enumerate(zip(active, sampled.tolist(), sampled_logprobs.tolist())):
+            for b, (row, token, logprob, temp) in enumerate(zip(active, sampled.tolist(), sampled_logprobs.tolist(),
+                                                                 sampled_temp.tolist())):
                 tokens[row].append(token)
                 logprobs[row].append(logprob)
+                temp_logprobs[row].append(temp)
                 done = (token in self._eos_ids or step == params.max_new_tokens - 1
                         or (params.stop and any(s in self._decode(tokens[row]) for s in params.stop)))
                 if not done:
@@ -286,7 +294,8 @@ class HFBackend:
                     budget -= known
                     new_store.append(self._extract_row(cache, b, c_max - cached[row], cached[row],
                                                        c_max + n_max - len(new[row]), prompts[row] + tokens[row][:-1]))
-                results[row] = self._finish_row(tokens[row], logprobs[row], params.stop, len(prompts[row]))
+                results[row] = self._finish_row(tokens[row], logprobs[row], temp_logprobs[row], params.stop,
+                                                len(prompts[row]))
                 results[row].extra.update(prefill_tokens=len(new[row]), cached_tokens=cached[row])
             if not keep:
                 break
@@ -321,10 +330,11 @@ class HFBackend:
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
 
         sample = params.temperature > 0
-        processors = _warpers(params)
-        # Warpers are passed in by hand (and disabled in the config) so the recorder runs after them.
-        recorder = _SampledLogprobs()
-        processors.append(recorder)
+        # Warpers are passed in by hand (and disabled in the config) so the recorders run between and after them:
+        # temperature, its recorder, top-p, the recorder of the distribution actually sampled from.
+        temp_recorder, recorder = _SampledLogprobs(), _SampledLogprobs()
+        processors = LogitsProcessorList([*_warpers(params, top_p=False), temp_recorder,
+                                          *[w for w in _warpers(params) if isinstance(w, TopPLogitsWarper)], recorder])
         config = GenerationConfig(
             max_new_tokens=params.max_new_tokens,
             do_sample=sample,
@@ -338,14 +348,16 @@ class HFBackend:
             logits_processor=processors,
             tokenizer=self.tokenizer,
         )
-        logprobs = recorder.finish(sequences)
+        logprobs, temp_logprobs = recorder.finish(sequences), temp_recorder.finish(sequences)
         new_tokens = sequences[:, width:].tolist()
         return [
-            self._finish_row(tokens, logprobs[row].tolist(), params.stop, len(prompts[row]))
+            self._finish_row(tokens, logprobs[row].tolist(), temp_logprobs[row].tolist(), params.stop,
+                             len(prompts[row]))
             for row, tokens in enumerate(new_tokens)
         ]
 
-    def _finish_row(self, tokens: list[int], logprobs: list[float], stop: tuple[str, ...], prompt_tokens: int):
+    def _finish_row(self, tokens: list[int], logprobs: list[float], temp_logprobs: list[float], stop: tuple[str, ...],
+                    prompt_tokens: int):
         finish_reason = "length"
         eos_at = next((j for j, t in enumerate(tokens) if t in self._eos_ids), None)
         if eos_at is not None:
@@ -368,18 +380,20 @@ class HFBackend:
             finish_reason=finish_reason,
             prompt_tokens=prompt_tokens,
             extra=extra,
+            temp_logprobs=temp_logprobs[:len(tokens)],
         )
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-def _warpers(params: SamplingParams) -> LogitsProcessorList:
-    """Temperature then top-p, the only warpers applied (temperature 0 = greedy: none)."""
+def _warpers(params: SamplingParams, top_p: bool = True) -> LogitsProcessorList:
+    """Temperature then top-p, the only warpers applied (temperature 0 = greedy: none); without `top_p`,
+    the temperature alone."""
     warpers = LogitsProcessorList()
     if params.temperature > 0 and params.temperature != 1.0:
         warpers.append(TemperatureLogitsWarper(params.temperature))
-    if params.temperature > 0 and params.top_p < 1.0:
+    if top_p and params.temperature > 0 and params.top_p < 1.0:
         warpers.append(TopPLogitsWarper(params.top_p))
     return warpers
 

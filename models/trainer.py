@@ -1,6 +1,7 @@
-"""The one trainer: a candidate trained from its parent with TRL's `SFTTrainer` on training rows of
-every kind a method emits (models/encoding.py): weighted SFT rows and privileged-teacher
-distillation rows, in the same batches and one loss:
+"""Training a candidate, in one module: `train_candidate` trains from the champion on the rows of every
+kind a method emits. Without policy-gradient rows the trainer is TRL's `SFTTrainer` (`RoundTrainer`):
+weighted SFT rows and privileged-teacher distillation rows (models/encoding.py), in the same batches
+and one loss:
 
     L = L_SFT + λ · Σ_e w_e · mean_t(IS_t · D_t) / Σ_e w_e
 
@@ -13,22 +14,51 @@ shared by both terms; the teacher's is a no-grad pass on the teacher encoding.
 Gradient accumulation: the SFT term is normalised by the labelled tokens of the whole accumulated
 step (the Trainer's `num_items_in_batch`), the distillation term is divided by the number of
 micro-batches, so neither grows with `grad_accum` (`loss_is_scaled_for_ga`).
+
+GRPO (rows of kind "pg").
+
+TRL's `GRPOTrainer` generates its completions inside the training loop; here the completions are the
+round's stored episodes, so the subclass below replaces the generation step by the stored rows and
+keeps the loss: `compute_loss` calls `GRPOTrainer._compute_loss` (its `loss_type`s, ε-clipping with
+the optional clip-higher ε_high, the β-KL to the reference model) on batches built from them.
+
+A multi-turn episode is one sequence: the prompt is everything before the model's first own action
+(system, few-shot turns, the first observation); the completion is the rest, with TRL's `tool_mask`
+= 1 on the model's own action tokens (and their end-of-turn marker) and 0 on every observation token,
+so only action tokens get the loss and the trajectory's advantage.
+
+- The old policy π_old of the PPO ratio is the champion that sampled the rollouts: its per-token
+  logprobs are computed once before training (no grad), as TRL does when generation and optimisation
+  steps are misaligned. `passes` optimisation passes run over the round's rows (epochs; minibatches of
+  `batch_size × grad_accum` trajectories per optimizer step), each ratio taken against π_old and clipped.
+  The β-KL reference is the same champion (TRL's reference model is the initial policy), so its logprobs
+  are π_old's.
+- Rollout/trainer mismatch (methods/grpo.py): k = π_old / π_sample per sampled token, with π_sample the
+  sampler's logprob after temperature only; the correction weight w (TIS, CIS or mask) multiplies the
+  token's policy loss, as TRL's vLLM importance-sampling correction does, by entering the advantage as a
+  per-token (B, T) advantage A·w (TRL's loss is linear in a non-negative per-token factor there).
+- SFT and distillation rows of other methods in the same round ride along: each micro-batch also holds
+  a share of them, and their loss (`RowLoss`, the same as above) is added: L = L_GRPO + L_SFT + λ·D.
+  Every row is then seen `passes` times.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
-from trl import SFTConfig, SFTTrainer
+from torch.utils.data import DataLoader
+from transformers import Trainer, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from models.encoding import KINDS, encode_rows
+from methods.grpo import Correction, correction_weight, mismatch_stats
+from models.encoding import KINDS, encode_rows, tokenize_conversation
 from models.loading import load_model_and_tokenizer, save_checkpoint
 from models.losses import importance_weights, topk_divergence, weighted_token_ce
 
@@ -93,31 +123,30 @@ class EmaTeacherCallback(TrainerCallback):
                 p_t.mul_(1.0 - self.rate).add_(p.detach().to(p_t.dtype), alpha=self.rate)
 
 
-class RoundTrainer(SFTTrainer):
-    """SFTTrainer whose loss is the module docstring's L, on batches that mix SFT and distillation rows."""
+class RowLoss:
+    """The loss of SFT and distillation rows (the module docstring's L), shared by every trainer here: the SFT
+    trainer below uses it alone; models/grpo_trainer.py adds it to TRL's GRPO loss."""
 
-    loss_is_scaled_for_ga = True  # compute_loss scales both terms for gradient accumulation itself
+    distill: DistillLoss
+    ema_teacher: torch.nn.Module | None
+    distill_log: list[dict[str, float]]
 
-    def __init__(self, *args, distill: DistillLoss | None = None, **kwargs):
+    def _init_row_loss(self, distill: DistillLoss | None, has_distill_rows: bool) -> None:
+        """Call after the Trainer's __init__: the loss settings and, for distillation with ema_rate > 0, the EMA
+        teacher."""
         self.distill = distill or DistillLoss()
-        self.distill_log: list[dict[str, float]] = []
-        super().__init__(*args, **kwargs)
+        self.distill_log = []
         self.ema_teacher = None
-        has_distill = DISTILL in set(self.train_dataset["kind"]) if self.train_dataset is not None else False
-        if has_distill and self.distill.ema_rate > 0:
+        if has_distill_rows and self.distill.ema_rate > 0:
             self.ema_teacher = copy.deepcopy(self.model).requires_grad_(False).eval()
             self.add_callback(EmaTeacherCallback(self.ema_teacher, self.distill.ema_rate))
-
-    def _set_signature_columns_if_needed(self):
-        super()._set_signature_columns_if_needed()
-        self._signature_columns = [*self._signature_columns,
-                                   *(c for c in _ROW_COLUMNS if c not in self._signature_columns)]
 
     def _micro_batches(self) -> int:
         """Micro-batches per optimizer step (the Trainer sets the current count inside its loop)."""
         return int(getattr(self, "current_gradient_accumulation_steps", None) or self.args.gradient_accumulation_steps)
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    def _rows_loss(self, model, inputs: dict, num_items_in_batch=None):
+        """(loss scaled for gradient accumulation, model outputs) of a RowCollator batch."""
         extra = {k: inputs.pop(k) for k in _BATCH_EXTRAS if k in inputs}
         n = inputs["input_ids"].shape[0]
         weights = extra.get("weights", torch.ones(n))
@@ -139,7 +168,7 @@ class RoundTrainer(SFTTrainer):
             self.distill_log.append({"distill_loss": float(distill_loss.detach()),
                                      "sft_loss": float(sft_loss.detach()) if sft_loss is not None else math.nan,
                                      **stats})
-        return (loss, outputs) if return_outputs else loss
+        return loss, outputs
 
     def _distill_term(self, model, logits, input_ids, weights, rows, extra) -> tuple[torch.Tensor, dict]:
         """Σ_e w_e · mean_t(IS_t · D_t) / Σ_e w_e over the batch's distillation rows."""
@@ -164,6 +193,226 @@ class RoundTrainer(SFTTrainer):
         return term, {"distill_rows": float(len(rows)), "distill_tokens": tokens, "is_weight_mean": is_sum / len(rows)}
 
 
+class RoundTrainer(RowLoss, SFTTrainer):
+    """SFTTrainer whose loss is the module docstring's L, on batches that mix SFT and distillation rows."""
+
+    loss_is_scaled_for_ga = True  # compute_loss scales both terms for gradient accumulation itself
+
+    def __init__(self, *args, distill: DistillLoss | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_row_loss(distill, DISTILL in set(self.train_dataset["kind"]))
+
+    def _set_signature_columns_if_needed(self):
+        super()._set_signature_columns_if_needed()
+        self._signature_columns = [*self._signature_columns,
+                                   *(c for c in _ROW_COLUMNS if c not in self._signature_columns)]
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = self._rows_loss(model, inputs, num_items_in_batch)
+        return (loss, outputs) if return_outputs else loss
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """GRPO's settings for the trainer (config: distill.grpo)."""
+
+    loss_type: str = "dapo"            # TRL's: grpo (sequence mean), dapo (token mean), dr_grpo (constant), bnpo
+    epsilon: float = 0.2               # clip range, low side (and high side unless epsilon_high)
+    epsilon_high: float | None = None  # clip-higher (DAPO: 0.28)
+    beta: float = 0.0                  # KL(π ‖ π_ref) weight
+    passes: int = 1                    # optimisation passes over the round's rows
+    temperature: float = 1.0           # the sampler's temperature: the trainer's logits are divided by it
+    correction: Correction = field(default_factory=Correction)
+    skip_zero_advantage: bool = True   # with beta = 0 a zero-advantage row has zero gradient: don't compute it
+
+
+def encode_pg_rows(tokenizer, rows: list[dict], max_length: int) -> tuple[list[dict], dict[str, int]]:
+    """Tokenize "pg" rows: prompt ids (before the first own action), completion ids, the action mask over the
+    completion, the advantage, and per completion token the sampler's logprob after temperature only where the
+    encoding reproduces the sampled tokens (NaN elsewhere: end-of-turn markers, projected actions).
+
+    Returns (rows, counts): `too_long` rows are dropped; `sampled_match` / `sampled_turns` count the action
+    turns whose sampled tokens the encoding reproduced."""
+    out, counts = [], {"too_long": 0, "no_action": 0, "sampled_match": 0, "sampled_turns": 0}
+    for row in rows:
+        enc = tokenize_conversation(tokenizer, row["messages"], int(row.get("train_from") or 0), row.get("tools"))
+        ids, labels = enc["input_ids"], enc["labels"]
+        if len(ids) > max_length:
+            counts["too_long"] += 1
+            continue
+        labelled = [i for i, lab in enumerate(labels) if lab != -100]
+        if not labelled:
+            counts["no_action"] += 1
+            continue
+        start = labelled[0]
+        sample_logps = [math.nan] * (len(ids) - start)
+        spans, cur = [], []
+        for i in labelled:  # contiguous labelled runs = the assistant turns, in order
+            if cur and i != cur[-1] + 1:
+                spans.append(cur)
+                cur = []
+            cur.append(i)
+        spans.append(cur)
+        for span, sampled in zip(spans, row.get("sampled") or []):
+            tok, lps = list(sampled["token_ids"]), list(sampled["temp_logprobs"])
+            counts["sampled_turns"] += 1
+            if tok and len(lps) == len(tok) and [ids[i] for i in span[:len(tok)]] == tok:
+                counts["sampled_match"] += 1
+                for i, lp in zip(span, lps):
+                    sample_logps[i - start] = float(lp)
+        out.append({"example_id": row["example_id"], "prompt_ids": ids[:start], "completion_ids": ids[start:],
+                    "action_mask": [int(lab != -100) for lab in labels[start:]],
+                    "advantage": float(row["advantage"]), "sample_logps": sample_logps})
+    return out, counts
+
+
+def _pad(seqs: list[list], value, left: bool = False, dtype=torch.long) -> torch.Tensor:
+    width = max(len(s) for s in seqs)
+    return torch.tensor([([value] * (width - len(s)) + list(s)) if left else (list(s) + [value] * (width - len(s)))
+                         for s in seqs], dtype=dtype)
+
+
+def collate_pg(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """TRL's batch layout: prompts left-padded, completions right-padded, `tool_mask` = the action mask; the
+    advantage per token (A·w, w the mismatch weight) where `weights` are known, else per row."""
+    batch = {
+        "prompt_ids": _pad([r["prompt_ids"] for r in rows], pad_id, left=True),
+        "prompt_mask": _pad([[1] * len(r["prompt_ids"]) for r in rows], 0, left=True),
+        "completion_ids": _pad([r["completion_ids"] for r in rows], pad_id),
+        "completion_mask": _pad([[1] * len(r["completion_ids"]) for r in rows], 0),
+        "tool_mask": _pad([r["action_mask"] for r in rows], 0),
+    }
+    if "old_logps" in rows[0]:
+        batch["old_per_token_logps"] = _pad([r["old_logps"] for r in rows], 0.0, dtype=torch.float32)
+        batch["ref_per_token_logps"] = batch["old_per_token_logps"]  # the reference is the initial policy
+        weights = _pad([r["weights"] for r in rows], 0.0, dtype=torch.float32)
+        adv = torch.tensor([r["advantage"] for r in rows], dtype=torch.float32)
+        batch["advantages"] = adv[:, None] * weights
+    else:
+        batch["advantages"] = torch.tensor([r["advantage"] for r in rows], dtype=torch.float32)
+    return batch
+
+
+def _rewards_are_stored(prompts, completions, **kwargs):
+    """The rows' rewards were given by the env's verifier when they were played (and turned into advantages);
+    TRL asks for a reward source at construction, and never calls it here (its generation step is replaced)."""
+    raise RuntimeError("StoredRolloutGRPOTrainer trains on stored rollouts: their rewards are already in the store")
+
+
+class StoredRolloutGRPOTrainer(RowLoss, GRPOTrainer):
+    """TRL's GRPOTrainer fed the round's stored rollouts instead of sampling (module docstring, "GRPO")."""
+
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, *args, pg_rows: list[dict], aux_rows: list[dict], policy: PolicyLoss, distill=None,
+                 **kwargs):
+        self.pg_rows, self.aux_rows, self.policy = pg_rows, aux_rows, policy
+        self.pg_log: list[dict[str, float]] = []
+        from datasets import Dataset
+
+        # The stored rows are the dataset (get_train_dataloader batches them; TRL's sampler is not used).
+        super().__init__(*args, reward_funcs=[_rewards_are_stored], train_dataset=Dataset.from_list(pg_rows), **kwargs)
+        # β is applied here, not through GRPOConfig: TRL would load a second copy of the checkpoint as its
+        # reference model, while the reference (the initial policy) is π_old, already computed per token.
+        self.beta = policy.beta
+        self._init_row_loss(distill, any(r.get("kind") == 1 for r in aux_rows))
+        self._aux_collator = RowCollator(pad_token_id=self.processing_class.pad_token_id)
+
+    # ---- data: the stored rows instead of TRL's generation ----------------------------------------
+
+    def prepare_old_policy(self) -> dict[str, Any]:
+        """π_old (and the reference) per completion token, and the mismatch weights; returns the round's
+        mismatch statistics. Called once before training, with the champion's weights."""
+        model, pad = self.model, self.processing_class.pad_token_id
+        train_lp, sample_lp, weights, capped = [], [], [], []
+        model.eval()
+        with torch.no_grad():
+            for start in range(0, len(self.pg_rows), self.args.per_device_train_batch_size):
+                chunk = self.pg_rows[start:start + self.args.per_device_train_batch_size]
+                b = collate_pg(chunk, pad)
+                ids = torch.cat([b["prompt_ids"], b["completion_ids"]], 1).to(model.device)
+                mask = torch.cat([b["prompt_mask"], b["completion_mask"]], 1).to(model.device)
+                logps, _, _ = self._get_per_token_logps_and_entropies(model, ids, mask, b["completion_ids"].size(1))
+                for r, lp in zip(chunk, logps.float().cpu().tolist()):
+                    r["old_logps"] = lp[:len(r["completion_ids"])]
+                    r["weights"] = []
+                    for t, s, m in zip(r["old_logps"], r["sample_logps"], r["action_mask"]):
+                        w, c = correction_weight(t, s, self.policy.correction) if m else (1.0, False)
+                        r["weights"].append(w)
+                        if m:
+                            train_lp.append(t)
+                            sample_lp.append(s)
+                            weights.append(w)
+                            capped.append(c)
+        model.train()
+        return mismatch_stats(train_lp, sample_lp, weights, capped)
+
+    def get_train_dataloader(self) -> DataLoader:
+        """Micro-batches of `per_device_train_batch_size` pg rows (reshuffled every pass), each carrying an equal
+        share of the aux rows; `num_items_in_batch` = the action tokens of the micro-batch's optimizer step."""
+        bs, ga = self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps
+        rng = random.Random(self.args.seed)
+        pad = self.processing_class.pad_token_id
+
+        class Passes(torch.utils.data.IterableDataset):
+            def __len__(inner):
+                return math.ceil(len(self.pg_rows) / bs)
+
+            def __iter__(inner):
+                order = list(range(len(self.pg_rows)))
+                rng.shuffle(order)
+                micro = [order[i:i + bs] for i in range(0, len(order), bs)]
+                aux = list(range(len(self.aux_rows)))
+                rng.shuffle(aux)
+                shares = [aux[i::len(micro)] for i in range(len(micro))]
+                for s in range(0, len(micro), ga):
+                    step = micro[s:s + ga]
+                    tokens = sum(sum(self.pg_rows[i]["action_mask"]) for m in step for i in m)
+                    for k, m in enumerate(step):
+                        batch = {"pg": collate_pg([self.pg_rows[i] for i in m], pad)}
+                        # TRL's dapo normaliser is num_items * ga / steps_per_generation: make it this step's tokens
+                        batch["pg"]["num_items_in_batch"] = torch.tensor(
+                            float(tokens) * self.args.steps_per_generation / ga)
+                        if shares[s + k]:
+                            batch["aux"] = self._aux_collator([dict(self.aux_rows[i]) for i in shares[s + k]])
+                        yield batch
+
+        return DataLoader(Passes(), batch_size=None)
+
+    def _prepare_inputs(self, inputs):
+        return Trainer._prepare_inputs(self, inputs)  # to the device; no generation: the rows are stored
+
+    # ---- the loss ------------------------------------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        pg = inputs["pg"]
+        loss = self._compute_loss(model, pg)  # TRL's GRPO loss, scaled for gradient accumulation by TRL
+        mode = "train" if self.model.training else "eval"
+        clip = self._metrics[mode].get("clip_ratio/region_mean") or [math.nan]
+        self.pg_log.append({"pg_loss": float(loss.detach()) * self._micro_batches(), "clip_ratio": clip[-1],
+                            "tokens": float(pg["tool_mask"].sum())})
+        if "aux" in inputs:
+            aux_loss, _ = self._rows_loss(model, inputs["aux"])
+            loss = loss + aux_loss
+        return loss
+
+
+def grpo_args(cfg, policy: PolicyLoss, out_dir: str, seed: int, n_rows: int, use_cpu: bool, bf16: bool):
+    """TRL's GRPOConfig for training on stored rows: the micro-batch is the largest divisor of the row count
+    not above train.batch_size (every micro-batch full); TRL's sampling settings are unused."""
+    bs = max(d for d in range(1, min(cfg.batch_size, n_rows) + 1) if n_rows % d == 0)
+    return GRPOConfig(
+        output_dir=out_dir, learning_rate=cfg.learning_rate, num_train_epochs=policy.passes,
+        per_device_train_batch_size=bs, gradient_accumulation_steps=cfg.grad_accum,
+        steps_per_generation=2 * cfg.grad_accum, num_generations=2,  # TRL's checks; generation is replaced
+        loss_type=policy.loss_type, epsilon=policy.epsilon, epsilon_high=policy.epsilon_high, beta=0.0,
+        temperature=policy.temperature, max_completion_length=cfg.max_length, num_iterations=1,
+        warmup_steps=cfg.warmup_ratio, lr_scheduler_type=cfg.lr_scheduler, seed=seed, use_cpu=use_cpu, bf16=bf16,
+        fp16=False, logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
+        remove_unused_columns=False, log_completions=False,
+    )
+
+
 class _ProgressCallback(TrainerCallback):
     def __init__(self, on_step):
         self.on_step = on_step
@@ -181,21 +430,29 @@ def train_candidate(
     dtype: str = "float32",
     on_step=None,
     distill: DistillLoss | None = None,
+    policy: PolicyLoss | None = None,
     trust_remote_code: bool = False,
 ) -> tuple[dict[str, Any], list]:
-    """Train a candidate from `model_path` on training rows (models/encoding.py: kind "sft" or
-    "distill") and save a full checkpoint (LoRA merged) to `out_dir`.
+    """Train a candidate from `model_path` on training rows (kind "sft", "distill" or "pg") and save a full
+    checkpoint (LoRA merged) to `out_dir`. With "pg" rows the trainer is `StoredRolloutGRPOTrainer` (TRL's
+    GRPO loss, `policy`), the other rows riding along; without, `RoundTrainer` (TRL's SFTTrainer).
 
     Returns (metrics, ids of the rows trained on). Metrics: SFT rows used (`examples`) and dropped
     (`dropped_too_long`), trained tokens, steps, first/last/mean train loss; with distillation rows,
     those used, misaligned or too long (dropped), distilled tokens, the distillation loss
-    (first/last/mean over steps), the mean IS weight, λ and whether the teacher was an EMA copy.
-    With no usable rows the candidate is a copy of the parent.
+    (first/last/mean over steps), the mean IS weight, λ and whether the teacher was an EMA copy; with pg
+    rows, those trained and skipped (zero advantage), their action tokens, the policy loss and clip ratio
+    (mean over steps), and the rollout/trainer mismatch (mean |Δ logprob|, KL(sampler ‖ trainer), the share
+    of capped tokens, the mean correction weight). With no usable rows the candidate is a copy of the parent.
     """
     from datasets import Dataset
 
     model, tokenizer = load_model_and_tokenizer(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
-    encoded, counts = encode_rows(tokenizer, rows, cfg.max_length)
+    policy = policy or PolicyLoss()
+    pg_in = [r for r in rows if r.get("kind") == "pg"]
+    skipped = [r for r in pg_in if policy.skip_zero_advantage and policy.beta == 0 and r["advantage"] == 0.0]
+    pg, pg_counts = encode_pg_rows(tokenizer, [r for r in pg_in if r not in skipped], cfg.max_length)
+    encoded, counts = encode_rows(tokenizer, [r for r in rows if r.get("kind") != "pg"], cfg.max_length)
     sft = [r for r in encoded if r["kind"] != DISTILL]
     dis = [r for r in encoded if r["kind"] == DISTILL]
     distill = distill or DistillLoss()
@@ -206,31 +463,16 @@ def train_candidate(
         metrics.update(distill_examples=len(dis), distill_misaligned=counts["misaligned"],
                        distill_too_long=counts["distill_too_long"], distill_sampled_match=counts["sampled_match"],
                        distill_tokens=int(sum(len(r["student_pos"]) for r in dis)))
-    if not encoded:
+    if pg_in:
+        metrics.update(pg_rows=len(pg), pg_skipped_zero_advantage=len(skipped), pg_too_long=pg_counts["too_long"],
+                       pg_tokens=int(sum(sum(r["action_mask"]) for r in pg)),
+                       pg_sampled_match=pg_counts["sampled_match"], pg_sampled_turns=pg_counts["sampled_turns"])
+    if not encoded and not pg:
         save_checkpoint(model, tokenizer, out_dir)
         return metrics, []
-    dataset = Dataset.from_list(encoded)
-    used_ids = list(dataset["example_id"])
     use_cpu = not torch.cuda.is_available()
-    args = SFTConfig(
-        output_dir=str(Path(out_dir).parent / (Path(out_dir).name + ".trainer")),
-        learning_rate=cfg.learning_rate,
-        num_train_epochs=cfg.epochs,
-        per_device_train_batch_size=cfg.batch_size,
-        gradient_accumulation_steps=cfg.grad_accum,
-        max_length=None,  # rows were length-checked above; TRL must not truncate one side of a pair
-        warmup_steps=cfg.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of total steps
-        lr_scheduler_type=cfg.lr_scheduler,
-        seed=seed,
-        use_cpu=use_cpu,
-        bf16=(dtype == "bfloat16") and not use_cpu,
-        fp16=False,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        dataset_num_proc=None,
-    )
+    bf16 = (dtype == "bfloat16") and not use_cpu
+    trainer_dir = str(Path(out_dir).parent / (Path(out_dir).name + ".trainer"))
     peft_config = None
     if cfg.lora.enabled:
         from peft import LoraConfig as PeftLoraConfig
@@ -238,9 +480,39 @@ def train_candidate(
         peft_config = PeftLoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                                      target_modules="all-linear", task_type="CAUSAL_LM")
     model.train()
-    trainer = RoundTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                           peft_config=peft_config, callbacks=[_ProgressCallback(on_step)] if on_step else None,
-                           data_collator=RowCollator(pad_token_id=tokenizer.pad_token_id), distill=distill)
+    callbacks = [_ProgressCallback(on_step)] if on_step else None
+    if pg:
+        args = grpo_args(cfg, policy, trainer_dir, seed, len(pg), use_cpu, bf16)
+        trainer = StoredRolloutGRPOTrainer(model=model, args=args, processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks,
+                                           pg_rows=pg, aux_rows=encoded, policy=policy, distill=distill)
+        mismatch = trainer.prepare_old_policy()
+        metrics.update({f"mismatch_{k}": v for k, v in mismatch.items()}, correction=policy.correction.mode)
+        used_ids = [r["example_id"] for r in pg] + [r["example_id"] for r in encoded]
+    else:
+        args = SFTConfig(
+            output_dir=trainer_dir,
+            learning_rate=cfg.learning_rate,
+            num_train_epochs=cfg.epochs,
+            per_device_train_batch_size=cfg.batch_size,
+            gradient_accumulation_steps=cfg.grad_accum,
+            max_length=None,  # rows were length-checked above; TRL must not truncate one side of a pair
+            warmup_steps=cfg.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of total steps
+            lr_scheduler_type=cfg.lr_scheduler,
+            seed=seed,
+            use_cpu=use_cpu,
+            bf16=bf16,
+            fp16=False,
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            disable_tqdm=True,
+            dataset_num_proc=None,
+        )
+        dataset = Dataset.from_list(encoded)
+        used_ids = list(dataset["example_id"])
+        trainer = RoundTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                               peft_config=peft_config, callbacks=callbacks,
+                               data_collator=RowCollator(pad_token_id=tokenizer.pad_token_id), distill=distill)
     result = trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     trained = trainer.model
@@ -256,6 +528,12 @@ def train_candidate(
                        distill_loss_mean=sum(dl) / len(dl) if dl else None,
                        is_weight_mean=(sum(h["is_weight_mean"] for h in trainer.distill_log) / len(dl)) if dl else None,
                        distill_loss_weight=distill.loss_weight, ema_teacher=distill.ema_rate > 0)
+    if pg:
+        log = trainer.pg_log
+        clips = [h["clip_ratio"] for h in log if not math.isnan(h["clip_ratio"])]
+        metrics.update(pg_loss_mean=sum(h["pg_loss"] for h in log) / len(log) if log else None,
+                       clip_ratio_mean=sum(clips) / len(clips) if clips else None, passes=policy.passes,
+                       pg_steps_log=[{k: round(v, 6) for k, v in h.items()} for h in log])
     if not math.isfinite(metrics["train_loss"]):
         raise RuntimeError(f"training diverged: loss {metrics['train_loss']}")
     return metrics, used_ids

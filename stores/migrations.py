@@ -228,10 +228,17 @@ STEP_METRICS = """
 ALTER TABLE steps ADD COLUMN metrics JSON;
 """
 
+# Per sampled token, its logprob under the temperature-scaled distribution without top-p truncation
+# (what the trainer recomputes; `logprobs` stays the distribution actually sampled from).
+TEMP_LOGPROBS = """
+ALTER TABLE turns ADD COLUMN temp_logprobs FLOAT[];
+"""
+
 MIGRATIONS: list[tuple[int, str, str]] = [
     (1, "initial schema", INITIAL_SCHEMA),
     (2, "SRD notes and foresight pairs", SRD_TABLES),
     (3, "per-step metrics (each method's figures of the distill step)", STEP_METRICS),
+    (4, "sampled tokens' logprobs after temperature only (mismatch correction)", TEMP_LOGPROBS),
 ]
 
 

@@ -433,8 +433,10 @@ class Store:
 
     def step_turns(self, run_id: str, round: int, step: str) -> list[dict]:
         """A step's turns in order (traj_id, turn_idx): observation as shown, executed action, the raw
-        generated text when projection changed it, validity and the env's feedback."""
-        return self.rows("SELECT traj_id, turn_idx, observation, action_text, raw_text, valid, feedback FROM turns"
+        generated text when projection changed it, validity, the env's feedback, the sampled token ids and
+        their logprobs (as sampled, and after temperature only)."""
+        return self.rows("SELECT traj_id, turn_idx, observation, action_text, raw_text, valid, feedback, token_ids,"
+                         " logprobs, temp_logprobs FROM turns"
                          " WHERE run_id = ? AND round = ? AND step = ? ORDER BY traj_id, turn_idx",
                          [run_id, round, step])
 

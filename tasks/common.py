@@ -38,8 +38,10 @@ def backend_for(cfg: Config, model_path: str):
     """The configured generation backend (`backend.kind`, its own options section) serving `model_path`."""
     from models.backend import open_backend
 
-    return open_backend(cfg.backend.kind, model_path, dtype=cfg.model.dtype,
-                        trust_remote_code=cfg.model.trust_remote_code, **cfg.backend.options())
+    options = cfg.backend.options()
+    dtype = options.pop("dtype", None) or cfg.model.dtype  # a backend may sample in another dtype than training
+    return open_backend(cfg.backend.kind, model_path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code,
+                        **options)
 
 
 def serving_champion(cfg: Config) -> tuple[str, str]:
@@ -73,6 +75,7 @@ def episode_rows(episodes: list[Episode], model_id: str, purpose: str) -> tuple[
                 "traj_id": ep.traj_id, "turn_idx": i, "observation": t.observation, "action_text": t.action_text,
                 "raw_text": t.raw_text,
                 "action_symbol": t.action_symbol, "token_ids": t.token_ids, "logprobs": t.logprobs,
+                "temp_logprobs": t.temp_logprobs,
                 "reward": t.reward, "done": t.done, "valid": t.valid, "feedback": t.feedback, "wall_s": t.wall_s,
             })
     return trajs, turns
@@ -140,13 +143,15 @@ def play(cfg: Config, backend, episodes: list[Episode], temperature: float, seed
 def trajectories_with_turns(store: Store, run_id: str, round: int, step: str, prefix: list[dict],
                             tools: list[dict] | None = None) -> list[dict]:
     """The step's trajectories, each with `messages` (the conversation rebuilt from the prompt prefix
-    and its turns), `train_from` (where the episode's own messages start) and `tools`."""
+    and its turns), `turns` (the stored turn rows: sampled token ids and logprobs), `train_from` (where
+    the episode's own messages start) and `tools`."""
     trajs = store.step_trajectories(run_id, round, step)
     by_traj: dict[str, list[dict]] = {}
     for t in store.step_turns(run_id, round, step):
         by_traj.setdefault(t["traj_id"], []).append(t)
     for t in trajs:
-        t["messages"] = conversation(prefix, by_traj.get(t["traj_id"], []))
+        t["turns"] = by_traj.get(t["traj_id"], [])
+        t["messages"] = conversation(prefix, t["turns"])
         t["train_from"] = len(prefix)
         t["tools"] = tools
     return trajs

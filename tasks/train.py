@@ -18,13 +18,14 @@ def candidate_id(cfg: Config, round: int) -> str:
     return f"{cfg.run.name}/r{round}/candidate"
 
 
-def _distill_loss(methods):
-    """The one DistillLoss of the methods that emit distillation rows (two different ones are a config error)."""
-    losses = {m.name: m.distill_loss() for m in methods}
+def _one_loss(methods, kind: str):
+    """The one loss setting (`distill_loss` or `policy_loss`) of the methods that have one; two different ones
+    are a config error (the trainer takes one of each)."""
+    losses = {m.name: getattr(m, kind)() for m in methods}
     losses = {name: loss for name, loss in losses.items() if loss is not None}
     if len(set(losses.values())) > 1:
-        raise ConfigError(f"distill.methods: {sorted(losses)} each set a privileged-teacher loss and they differ "
-                          f"({losses}); the trainer takes one: give them the same settings")
+        raise ConfigError(f"distill.methods: {sorted(losses)} each set a {kind} and they differ ({losses}); "
+                          "the trainer takes one: give them the same settings")
     return next(iter(losses.values()), None)
 
 
@@ -63,7 +64,8 @@ def train_candidate(cfg: Config, round: int) -> dict:
 
     try:
         metrics, used_ids = train(parent_path, rows, out_dir, cfg.train, seed=round_seed(cfg, round, 1),
-                                  dtype=cfg.model.dtype, on_step=on_step, distill=_distill_loss(methods),
+                                  dtype=cfg.model.dtype, on_step=on_step, distill=_one_loss(methods, "distill_loss"),
+                                  policy=_one_loss(methods, "policy_loss"),
                                   trust_remote_code=cfg.model.trust_remote_code)
     finally:
         bar.close()

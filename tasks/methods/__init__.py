@@ -22,6 +22,7 @@ __all__ = ["METHODS", "Contribution", "DistillContext", "Method", "enabled_metho
 METHODS: dict[str, str] = {
     "exit": "tasks.methods.exit:ExIt",
     "srd": "tasks.methods.srd:SRD",
+    "grpo": "tasks.methods.grpo:GRPO",
 }
 
 

@@ -4,7 +4,8 @@ The distill step builds a `DistillContext`, calls each enabled method's `read` w
 open (short reads), then `distill` with the store closed (a method may generate with the champion
 for minutes), and writes every method's `Contribution` in one transaction: `examples` rows, the
 method's own `tables` and its `metrics` (stored with the step, keyed by method name). The train
-step asks each method for its `training_rows` (kinds the trainer knows) and its `distill_loss`;
+step asks each method for its `training_rows` (kinds the trainer knows), its `distill_loss` and its
+`policy_loss`;
 the report shows each method's `round_metrics` and `report_section`.
 """
 
@@ -79,6 +80,10 @@ class Method:
 
     def distill_loss(self):
         """The models.trainer.DistillLoss for this method's "distill" rows (None: it emits none)."""
+        return None
+
+    def policy_loss(self):
+        """The models.grpo_trainer.PolicyLoss for this method's "pg" rows (None: it emits none)."""
         return None
 
     @classmethod

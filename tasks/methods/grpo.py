@@ -1,0 +1,94 @@
+"""GRPO in a round: the generate step's groups become policy-gradient rows with group-relative advantages.
+
+Each trajectory of the round (but crashed episodes) gets its advantage from its group's verifier
+rewards (methods/grpo.py); it is stored as an `examples` row of method "grpo" (meta: advantage,
+group, reward) with lineage to the trajectory. At training time each becomes a "pg" row: the whole
+multi-turn episode as one sequence, the loss on the model's own action tokens with the trajectory's
+advantage, TRL's GRPO loss (models/grpo_trainer.py). Uniform groups (all fail / all pass) are
+counted; their rows have advantage 0 and add no policy gradient.
+"""
+
+from __future__ import annotations
+
+from statistics import mean
+
+from methods.groups import group_counts, group_stats
+from methods.grpo import trajectory_advantages
+from tasks.methods.base import Contribution, DistillContext, Method
+
+
+class GRPO(Method):
+    name = "grpo"
+
+    def distill(self, ctx: DistillContext, inputs) -> Contribution:
+        c = self.cfg.distill.grpo
+        played = [t for t in ctx.trajectories if t["status"] != "error" and t["n_turns"]]
+        adv = trajectory_advantages(played, c.advantage, c.eps)
+        rows = [{"example_id": f"{t['traj_id']}/grpo", "method": self.name, "source_traj_id": t["traj_id"],
+                 "messages": t["messages"], "weight": 1.0,
+                 "meta": {"advantage": adv[t["traj_id"]], "group_id": t["group_id"], "reward": t["reward"],
+                          "train_from": t["train_from"], **({"tools": ctx.tools} if ctx.tools else {})}}
+                for t in played]
+        counts = group_counts(group_stats(played)) if played else {}
+        nonzero = [r for r in rows if r["meta"]["advantage"] != 0.0]
+        return Contribution(examples=rows, metrics={
+            "groups": counts.get("groups", 0), "all_fail": counts.get("all_fail", 0),
+            "all_pass": counts.get("all_pass", 0), "mixed": counts.get("mixed", 0),
+            "rows": len(rows), "nonzero_advantage_rows": len(nonzero),
+            "crashed_excluded": len(ctx.trajectories) - len(played),
+            "mean_abs_advantage": mean(abs(r["meta"]["advantage"]) for r in rows) if rows else None,
+            "advantage": c.advantage})
+
+    def training_rows(self, store, run_id: str, round: int, examples: list[dict]) -> list[dict]:
+        """Each example is a "pg" row: its conversation, advantage and, per own turn, the sampled token ids with
+        their logprobs after temperature only (for the mismatch correction)."""
+        turns: dict[str, list[dict]] = {}
+        for t in store.step_turns(run_id, round, "generate"):
+            turns.setdefault(t["traj_id"], []).append(t)
+        return [{"kind": "pg", "example_id": e["example_id"], "weight": e["weight"], "messages": e["messages"],
+                 "train_from": e["meta"]["train_from"], "tools": e["meta"].get("tools"),
+                 "advantage": e["meta"]["advantage"],
+                 "sampled": [{"token_ids": t["token_ids"] or [], "temp_logprobs": t["temp_logprobs"] or []}
+                             for t in turns.get(e["source_traj_id"], [])]}
+                for e in examples]
+
+    def policy_loss(self):
+        from methods.grpo import Correction
+        from models.grpo_trainer import PolicyLoss
+
+        c = self.cfg.distill.grpo
+        return PolicyLoss(loss_type=c.loss_type, epsilon=c.epsilon, epsilon_high=c.epsilon_high, beta=c.beta,
+                          passes=c.passes, temperature=self.cfg.backend.temperature or 1.0,
+                          correction=Correction(c.correction, c.tis_cap, c.cis_lambda, c.cis_kappa),
+                          skip_zero_advantage=c.skip_zero_advantage)
+
+    @classmethod
+    def round_metrics(cls, distill_metrics: dict | None, train_metrics: dict) -> dict | None:
+        if distill_metrics is None:
+            return None
+        keys = ("pg_rows", "pg_skipped_zero_advantage", "pg_tokens", "mismatch_mean_abs_delta",
+                "mismatch_kl_sampler_trainer", "mismatch_capped_share", "mismatch_weight_mean", "pg_loss_mean",
+                "clip_ratio_mean")
+        return {**distill_metrics, **{k: train_metrics.get(k) for k in keys}}
+
+    @classmethod
+    def report_section(cls, rounds: list[dict]) -> list[str]:
+        rows = [r for r in rounds if r.get("grpo")]
+        if not rows:
+            return []
+
+        def num(v, fmt):
+            return format(v, fmt) if v is not None else "-"
+
+        lines = ["GRPO per round (groups fail/pass/mixed; rows trained with a non-zero advantage; mismatch: mean "
+                 "|Δ logprob| sampler vs trainer, estimated KL(sampler ‖ trainer), share of tokens capped):", "",
+                 "| round | groups fail/pass/mixed | rows (non-zero A) | policy loss | mean abs Δ | KL | capped |",
+                 "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            m = r["grpo"]
+            lines.append(f"| {r['round']} | {m['all_fail']}/{m['all_pass']}/{m['mixed']} | {m['rows']} "
+                         f"({m['nonzero_advantage_rows']}) | {num(m.get('pg_loss_mean'), '.4f')} | "
+                         f"{num(m.get('mismatch_mean_abs_delta'), '.2e')} | "
+                         f"{num(m.get('mismatch_kl_sampler_trainer'), '.2e')} | "
+                         f"{num(m.get('mismatch_capped_share'), '.3f')} |")
+        return lines
