@@ -483,8 +483,9 @@ def train_candidate(
     callbacks = [_ProgressCallback(on_step)] if on_step else None
     if pg:
         args = grpo_args(cfg, policy, trainer_dir, seed, len(pg), use_cpu, bf16)
-        trainer = StoredRolloutGRPOTrainer(model=model, args=args, processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks,
-                                           pg_rows=pg, aux_rows=encoded, policy=policy, distill=distill)
+        trainer = StoredRolloutGRPOTrainer(model=model, args=args, processing_class=tokenizer, peft_config=peft_config,
+                                           callbacks=callbacks, pg_rows=pg, aux_rows=encoded, policy=policy,
+                                           distill=distill)
         mismatch = trainer.prepare_old_policy()
         metrics.update({f"mismatch_{k}": v for k, v in mismatch.items()}, correction=policy.correction.mode)
         used_ids = [r["example_id"] for r in pg] + [r["example_id"] for r in encoded]

@@ -38,7 +38,8 @@ def played(tiny_path):
     return episodes(tiny_path)
 
 
-def trainer_for(tiny_path, tmp_path, rows, policy=PolicyLoss(), batch_size=4):
+def trainer_for(tiny_path, tmp_path, rows, policy=None, batch_size=4):
+    policy = policy or PolicyLoss()
     model, tok = load_model_and_tokenizer(tiny_path)
     pg, counts = encode_pg_rows(tok, rows, 4096)
     cfg = TrainConfig(learning_rate=1e-3, epochs=1, batch_size=batch_size)
