@@ -125,7 +125,7 @@ class EmaTeacherCallback(TrainerCallback):
 
 class RowLoss:
     """The loss of SFT and distillation rows (the module docstring's L), shared by every trainer here: the SFT
-    trainer below uses it alone; models/grpo_trainer.py adds it to TRL's GRPO loss."""
+    trainer below uses it alone; StoredRolloutGRPOTrainer adds it to TRL's GRPO loss."""
 
     distill: DistillLoss
     ema_teacher: torch.nn.Module | None

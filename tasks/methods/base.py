@@ -83,7 +83,7 @@ class Method:
         return None
 
     def policy_loss(self):
-        """The models.grpo_trainer.PolicyLoss for this method's "pg" rows (None: it emits none)."""
+        """The models.trainer.PolicyLoss for this method's "pg" rows (None: it emits none)."""
         return None
 
     @classmethod

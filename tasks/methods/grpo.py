@@ -4,7 +4,7 @@ Each trajectory of the round (but crashed episodes) gets its advantage from its 
 rewards (methods/grpo.py); it is stored as an `examples` row of method "grpo" (meta: advantage,
 group, reward) with lineage to the trajectory. At training time each becomes a "pg" row: the whole
 multi-turn episode as one sequence, the loss on the model's own action tokens with the trajectory's
-advantage, TRL's GRPO loss (models/grpo_trainer.py). Uniform groups (all fail / all pass) are
+advantage, TRL's GRPO loss (models/trainer.py). Uniform groups (all fail / all pass) are
 counted; their rows have advantage 0 and add no policy gradient.
 """
 
@@ -54,7 +54,7 @@ class GRPO(Method):
 
     def policy_loss(self):
         from methods.grpo import Correction
-        from models.grpo_trainer import PolicyLoss
+        from models.trainer import PolicyLoss
 
         c = self.cfg.distill.grpo
         return PolicyLoss(loss_type=c.loss_type, epsilon=c.epsilon, epsilon_high=c.epsilon_high, beta=c.beta,
