@@ -21,6 +21,9 @@ def test_shipped_configs_validate():
         assert isinstance(cfg, Config)
     assert load_config([REPO / "configs" / "default.yaml"]).model.base == "embedded:smollm2-135m-instruct"
     assert load_config([REPO / "configs" / "tiny.yaml"]).model.base.startswith("tiny:")
+    for overlay in ("srd.yaml", "grpo.yaml", "grpo-srd.yaml"):   # overlays validate on every base config
+        for base in ("default.yaml", "arithmetic.yaml", "tooluse.yaml", "tiny.yaml"):
+            load_config([REPO / "configs" / base, REPO / "configs" / overlay])
 
 
 def test_overlay_and_override_win_in_order(tmp_path):
@@ -101,7 +104,7 @@ def test_readme_config_reference_lists_every_key():
 
 def test_backend_kind_and_its_own_options_section(tmp_path):
     cfg = load_config([], ["backend.hf.kv_reuse=true", "backend.hf.max_batch_size=4"])
-    assert cfg.backend.options() == {"max_batch_size": 4, "kv_reuse": True}
+    assert cfg.backend.options() == {"dtype": None, "max_batch_size": 4, "kv_reuse": True}
     with pytest.raises(ConfigError, match=r"--set backend.kind=vllmx: backend.*unknown backend 'vllmx'"):
         load_config([], ["backend.kind=vllmx"])
     with pytest.raises(ConfigError, match=r"backend.max_batch_size: unknown key"):
