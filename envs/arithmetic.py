@@ -164,26 +164,25 @@ _DEMO = [  # (question, reply): the format, shown as earlier chat turns
 class ArithmeticEnv(Env):
     """Single-turn arithmetic and word problems; see the module docstring.
 
-    levels: the task types to sample (default all five), round-robin.
+    levels: the task types to sample (default all five), round-robin; the instance's `task_types`.
     max_steps: replies per episode; only replies without an integer can be followed by another.
     """
 
     name = "arithmetic"
-    task_types = LEVELS
 
     def __init__(self, levels: list[str] | tuple[str, ...] | None = None, max_steps: int = 2):
         levels = tuple(levels) if levels else LEVELS
         unknown = [lv for lv in levels if lv not in LEVELS]
         if unknown or max_steps < 1:
             raise ValueError(f"arithmetic: levels must be among {LEVELS} (got {unknown}) and max_steps >= 1")
-        self.levels = levels
+        self.task_types = levels
         self.max_steps = max_steps
         self._task: TaskSpec | None = None
 
     def sample_tasks(self, split: str, n: int, seed: int) -> list[TaskSpec]:
         """`n` problems of `split`, levels round-robin; problem i comes from its own RNG seeded by
         (split, seed, i) and is redrawn until its question hashes into `split`."""
-        return sample_hashed_tasks(self.name, self.levels, split, n, seed, generate_problem)
+        return sample_hashed_tasks(self.name, self.task_types, split, n, seed, generate_problem)
 
     def reset(self, task: TaskSpec) -> str:
         self._task = task
@@ -250,6 +249,35 @@ class ArithmeticEnv(Env):
         if self._task is None or self._done:
             return None
         return f"Answer: {self._task.spec['answer']}"
+
+    def solution(self) -> list[str] | None:
+        """One reply: the worked steps, then the answer ("8 - 3 = 5, 5 * 4 = 20. Answer: 20", the
+        demonstration's format)."""
+        if self._task is None:
+            return None
+        spec = self._task.spec
+        return [f"{', '.join(spec['steps'])}. Answer: {spec['answer']}"]
+
+    def rules(self) -> list[str]:
+        """How to read this problem's form (a story, or an expression with its precedence), to show
+        the working of a multi-step problem, and the reply format. No number of the problem is named."""
+        if self._task is None:
+            return []
+        spec = self._task.spec
+        ops = {step.split()[1] for step in spec["steps"]}
+        rules = []
+        if spec["form"] == "word":
+            rules.append("Turn each sentence into one operation on the running total, in order: finding or "
+                         "getting more adds, giving away or losing subtracts, 'times as many' multiplies, "
+                         "sharing equally and keeping one share divides.")
+        elif ops & {"*", "/"} and ops & {"+", "-"}:
+            rules.append("Multiply and divide before adding and subtracting, and work out parentheses first.")
+        else:
+            rules.append("Work the operations from left to right.")
+        if len(spec["steps"]) > 1:
+            rules.append("Write each intermediate result before the next operation: one slip changes the answer.")
+        rules.append("End the one-line reply with 'Answer: <integer>'; every answer is a whole number.")
+        return rules
 
     def random_action(self, rng: random.Random) -> str:
         """A uniformly random guess between 0 and twice the largest number in the question (the

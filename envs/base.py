@@ -12,8 +12,9 @@ import hashlib
 import json
 import random
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 SPLITS = ("train", "heldout")
 
@@ -38,7 +39,7 @@ class TaskSpec:
                 "task_type": self.task_type, "seed": self.seed, "spec": json.dumps(self.spec, sort_keys=True)}
 
     @classmethod
-    def from_row(cls, row: dict[str, Any]) -> "TaskSpec":
+    def from_row(cls, row: dict[str, Any]) -> TaskSpec:
         spec = row["spec"] if isinstance(row["spec"], dict) else json.loads(row["spec"])
         return cls(env=row["env"], split=row["split"], task_type=row["task_type"], seed=int(row["seed"]), spec=spec)
 
@@ -55,10 +56,26 @@ class StepResult:
 
 
 class Env(ABC):
-    """One episode at a time. Subclasses set `name` and `task_types`."""
+    """One episode at a time: `reset(task)`, then `step(action)` until `done`.
+
+    What a subclass declares besides its methods:
+
+    name              str, a class attribute: the env's name (every TaskSpec.env it makes).
+    task_types        tuple of str: the task types `sample_tasks` draws from, round-robin; results are
+                      broken down by them. A class attribute, or an instance attribute set in `__init__`
+                      where the types depend on the constructor's arguments or the env's data (tooluse's
+                      `task_types` kwarg, a folder of game files whose families are only known once it
+                      is read). Read it from an instance, never from the class.
+    admissible_exact  bool, a class attribute (default True): every action `admissible_actions()` lists
+                      is accepted when played. False where the lists over-generate (ScienceWorld's valid
+                      actions: some listed ones are refused); the conformance check then only asks that
+                      most of them are accepted.
+    """
 
     name: ClassVar[str]
-    task_types: ClassVar[tuple[str, ...]]
+    task_types: tuple[str, ...]
+    admissible_exact: ClassVar[bool] = True
+    """True: every listed admissible action is accepted when played; False: the lists over-generate."""
 
     @abstractmethod
     def sample_tasks(self, split: str, n: int, seed: int) -> list[TaskSpec]:
@@ -97,8 +114,27 @@ class Env(ABC):
         """A scripted expert's next action from the current state, where the env has one."""
         return None
 
-    def close(self) -> None:
-        """Release resources (a JVM, a subprocess). Household has none."""
+    def solution(self) -> list[str] | None:
+        """After `reset(task)`: action texts that, played in order from the task's start, solve the
+        current task (the expert's plan); the same list whenever it is called during the episode.
+        None where the env has none. The SRD template writer takes its Example from it."""
+        return None
+
+    def rules(self) -> list[str]:
+        """After `reset(task)`: general rules for tasks like the current one (what an attempt must do
+        or avoid), most important first, stated without the task's own statement, its answer or its
+        solution's actions: a rule a model can learn before acting, not this task's answer. The SRD
+        template writer's Rule line is made of them. Empty where the env states none."""
+        return []
+
+    def tools(self) -> list[dict] | None:
+        """The tools the agent calls, as JSON schemas in the chat-template convention
+        (`{"type": "function", "function": {"name", "description", "parameters"}}`, the `tools=`
+        argument of transformers' `apply_chat_template`); None where actions are not tool calls."""
+        return None
+
+    def close(self) -> None:  # noqa: B027 (optional to override: most envs hold nothing to release)
+        """Release resources (a JVM, a subprocess); may be called twice. Household has none."""
 
 
 def step_guard(task: TaskSpec | None, done: bool, success: bool) -> StepResult | None:

@@ -2,7 +2,13 @@
 
     python -m envs.conformance arithmetic
     python -m envs.conformance examples.countdown_env:CountdownEnv --kwargs '{"max_steps": 3}'
-    python -m envs.conformance household --tasks 24 --fuzz 3000
+    python -m envs.conformance household --tasks 200 --fuzz 3000 --max-turns 12
+    python -m envs.conformance --config configs/default.yaml --config examples/byo.yaml
+
+With `--config` (repeatable: later files are overlays, as with `rsiflow run`) the env's name,
+kwargs and turn limit come from the config's `env.name`, `env.kwargs` and `env.max_turns`; a
+positional env, `--kwargs` or `--max-turns` given as well replaces that one value. Each check's
+line is printed as soon as it finishes; the exit status is 1 when a check failed.
 
 or from Python (the test suite runs it on every built-in env and on the example env):
 
@@ -10,20 +16,36 @@ or from Python (the test suite runs it on every built-in env and on the example 
     report = check_env("arithmetic", tasks=12, fuzz=2000)
     assert report.ok, report
 
+Every env call (building an instance included) must return within `step_timeout` seconds
+(default 60, `--step-timeout`): past it, the call is interrupted (SIGALRM, in the main thread on
+Linux and macOS; code that never returns to the Python interpreter, such as a C loop, can't be
+interrupted), the check fails naming the call, and the remaining checks run on a fresh instance.
+A failure that happened in an episode names its last actions and last observation (shortened).
+
 Checks (each one PASS, FAIL with the reason, or SKIP with the reason):
 
-    class          `name` is a non-empty str, `task_types` a non-empty tuple of str
+    class          the instance's `name` is a non-empty str, its `task_types` a non-empty tuple of
+                   distinct str (a class attribute or one set in __init__), `admissible_exact` a bool
     splits         sample_tasks gives n TaskSpecs of the right env/split/type for "train" and
                    "heldout", JSON-ready specs that survive to_row/from_row, disjoint task ids
-                   across splits; an unknown split raises ValueError
+                   across splits, every declared task type where n covers them all; an unknown
+                   split raises ValueError
     determinism    same seed -> same tasks (also from a fresh instance); another seed -> other
                    tasks; the same task and actions -> the same observations, rewards and ends
     reset_step     reset gives a non-empty str; step gives a StepResult with a str observation,
                    float reward, bool done/success and info{"valid": bool, "feedback": str}
     admissible     admissible_actions() is None or a list of str, and each one it lists is
                    accepted (info["valid"] is True) when played (at least half of them where the
-                   env class sets `admissible_exact = False`: its lists over-generate)
+                   env sets `admissible_exact = False`: its lists over-generate)
     expert         where expert_action() gives actions: following it solves every sampled task
+    solution       where solution() is not None: playing it from a fresh reset solves the task,
+                   and it is the same list after the episode
+    max_turns      with `max_turns` (--max-turns, or env.max_turns of --config): the expert and the
+                   solution need at most that many steps on every task
+    rules          rules() is a list of non-empty str that restates no clause of the task's own
+                   statement (its first observation, boilerplate aside) and names no action of its
+                   solution that holds a number
+    tools          tools() is None or a list of chat-template function schemas with distinct names
     hindsight      hindsight() is a list of str before, during and after an episode
     canonicalize   canonicalize() gives a `verb<role,...>` symbol for any text, garbage included
     prompting      instructions() is a non-empty str; demonstration() is a list of
@@ -34,6 +56,10 @@ Checks (each one PASS, FAIL with the reason, or SKIP with the reason):
                    and does not end the episode when it is the first action, and the expert
                    still solves the task after a hostile action
     close          close() releases resources and can be called twice
+
+The default of 100 tasks per split is what finds a bug that hits one task in 50 with 98%
+probability (12 tasks, the old default, find it with 38%) and costs under a second on household,
+arithmetic and tooluse.
 """
 
 from __future__ import annotations
@@ -42,16 +68,22 @@ import argparse
 import json
 import random
 import re
+import signal
 import sys
+import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from envs.base import SPLITS, Env, StepResult, TaskSpec
 
 SYMBOL_RE = re.compile(r"[A-Za-z_][\w\-]*<[\w,\- ]*>")
 MAX_OBSERVATION_CHARS = 50_000
+DEFAULT_TASKS = 100
+DEFAULT_STEP_TIMEOUT = 60.0
 
 
 class _CheckFailed(AssertionError):
@@ -62,12 +94,20 @@ class _Skip(Exception):
     pass
 
 
+class CallTimedOut(BaseException):
+    """An env call ran past the time limit. A BaseException, so that an env's own `except Exception`
+    around the hung call can't swallow it."""
+
+
 @dataclass
 class CheckResult:
     name: str
     status: str          # "pass" | "fail" | "skip"
     detail: str = ""
     seconds: float = 0.0
+
+    def line(self) -> str:
+        return f"  {self.status.upper():4}  {self.name:13} {self.seconds:6.2f}s  {self.detail}"
 
 
 @dataclass
@@ -83,10 +123,8 @@ class ConformanceReport:
         return [r for r in self.results if r.status == "fail"]
 
     def __str__(self) -> str:
-        lines = [f"conformance of {self.env}: {'PASS' if self.ok else 'FAIL'}"]
-        for r in self.results:
-            lines.append(f"  {r.status.upper():4}  {r.name:13} {r.seconds:6.2f}s  {r.detail}")
-        return "\n".join(lines)
+        return "\n".join([f"conformance of {self.env}: {'PASS' if self.ok else 'FAIL'}"]
+                         + [r.line() for r in self.results])
 
 
 def _require(condition: bool, message: str) -> None:
@@ -94,27 +132,103 @@ def _require(condition: bool, message: str) -> None:
         raise _CheckFailed(message)
 
 
-def _check_result(result: Any, action: str) -> StepResult:
-    where = f"step({_show(action)})"
-    _require(isinstance(result, StepResult), f"{where} returned {type(result).__name__}, not StepResult")
-    _require(isinstance(result.observation, str) and result.observation.strip() != "",
-             f"{where}: the observation must be a non-empty str, got {result.observation!r:.80}")
-    _require(len(result.observation) <= MAX_OBSERVATION_CHARS,
-             f"{where}: the observation has {len(result.observation)} chars (echoes the action unbounded?)")
-    _require(isinstance(result.reward, (int, float)) and not isinstance(result.reward, bool),
-             f"{where}: reward must be a number, got {result.reward!r}")
-    _require(isinstance(result.done, bool) and isinstance(result.success, bool),
-             f"{where}: done and success must be bool, got {result.done!r}, {result.success!r}")
-    _require(isinstance(result.info, dict) and isinstance(result.info.get("valid"), bool)
-             and isinstance(result.info.get("feedback"), str) and result.info["feedback"] != "",
-             f"{where}: info needs 'valid' (bool) and 'feedback' (str), got {result.info!r:.120}")
-    _require(result.info["valid"] or result.info["feedback"] != "ok",
-             f"{where}: a rejected action must say why (feedback other than 'ok')")
-    return result
-
-
 def _show(action: str, limit: int = 40) -> str:
     return repr(action if len(action) <= limit else action[:limit] + "...")
+
+
+# ---- time limits and the recorded episode ------------------------------------------------------
+
+@contextmanager
+def time_limit(seconds: float | None, what: str) -> Iterator[None]:
+    """Raise CallTimedOut("<what> did not return within N s") when the block runs longer than
+    `seconds`, by SIGALRM. No limit where `seconds` is None or 0, where there is no SIGALRM, or
+    off the main thread. An alarm already set outside is restored afterwards, less the time spent."""
+    if not seconds or not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise CallTimedOut(f"{what} did not return within {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    outer, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
+        if outer:
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - started), 1e-3))
+
+
+class _Guarded:
+    """The env under check. Every method call is limited to `timeout` seconds (`time_limit`); the
+    current episode's actions and latest observation are recorded for failure messages (`trail`).
+    Attributes and methods not named here are the env's own, looked up on the instance."""
+
+    def __init__(self, env: Env, timeout: float | None):
+        self.unwrapped = env
+        self._timeout = timeout
+        self.actions: list[str] = []
+        self.observation = ""
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.unwrapped, name)
+        if not callable(value):
+            return value
+
+        def limited(*args: Any, **kwargs: Any) -> Any:
+            with time_limit(self._timeout, f"{name}()"):
+                return value(*args, **kwargs)
+        return limited
+
+    def reset(self, task: TaskSpec) -> str:
+        self.actions, self.observation = [], ""
+        with time_limit(self._timeout, f"reset({task.task_id})"):
+            observation = self.unwrapped.reset(task)
+        self.observation = observation if isinstance(observation, str) else repr(observation)
+        return observation
+
+    def step(self, action: str) -> StepResult:
+        self.actions.append(action)
+        with time_limit(self._timeout, f"step({_show(action)})"):
+            result = self.unwrapped.step(action)
+        observation = getattr(result, "observation", result)
+        self.observation = observation if isinstance(observation, str) else repr(observation)
+        return result
+
+    def trail(self, n_actions: int = 3, chars: int = 160) -> str:
+        """"last actions: a, b, c (of N); last observation: ..." of the current episode, shortened."""
+        if not self.actions:
+            return f"no action yet; first observation: {self.observation[:chars]!r}"
+        shown = ", ".join(_show(a) for a in self.actions[-n_actions:])
+        return (f"last actions: {shown} (of {len(self.actions)}); "
+                f"last observation: {self.observation[:chars]!r}{'...' if len(self.observation) > chars else ''}")
+
+
+def _check_result(result: Any, action: str, env: _Guarded) -> StepResult:
+    """`result` if it is a well-typed StepResult; otherwise the check fails, naming the episode's trail."""
+    where = f"step({_show(action)})"
+    problem = None
+    if not isinstance(result, StepResult):
+        problem = f"{where} returned {type(result).__name__}, not StepResult"
+    elif not (isinstance(result.observation, str) and result.observation.strip() != ""):
+        problem = f"{where}: the observation must be a non-empty str, got {result.observation!r:.80}"
+    elif len(result.observation) > MAX_OBSERVATION_CHARS:
+        problem = f"{where}: the observation has {len(result.observation)} chars (echoes the action unbounded?)"
+    elif not (isinstance(result.reward, (int, float)) and not isinstance(result.reward, bool)):
+        problem = f"{where}: reward must be a number, got {result.reward!r}"
+    elif not (isinstance(result.done, bool) and isinstance(result.success, bool)):
+        problem = f"{where}: done and success must be bool, got {result.done!r}, {result.success!r}"
+    elif not (isinstance(result.info, dict) and isinstance(result.info.get("valid"), bool)
+              and isinstance(result.info.get("feedback"), str) and result.info["feedback"] != ""):
+        problem = f"{where}: info needs 'valid' (bool) and 'feedback' (str), got {result.info!r:.120}"
+    elif not (result.info["valid"] or result.info["feedback"] != "ok"):
+        problem = f"{where}: a rejected action must say why (feedback other than 'ok')"
+    if problem:
+        raise _CheckFailed(f"{problem}; {env.trail()}")
+    return result
 
 
 # ---- hostile actions --------------------------------------------------------------------------
@@ -183,73 +297,104 @@ def _factory(env: str | type | Callable[[], Env], kwargs: dict | None) -> tuple[
     return env, getattr(env, "__name__", repr(env))
 
 
-def _play_expert(env: Env, task: TaskSpec, limit: int, after: list[str] = ()) -> tuple[bool, list[str]]:
-    """Reset, play `after` (hostile actions), then follow the expert; (solved, the expert's actions)."""
-    env.reset(task)
-    for action in after:
-        if _check_result(env.step(action), action).done:
-            return False, []
-    actions: list[str] = []
-    for _ in range(limit):
-        action = env.expert_action()
-        if action is None:
-            break
-        _require(isinstance(action, str), f"expert_action() returned {type(action).__name__}")
-        actions.append(action)
-        result = _check_result(env.step(action), action)
-        if result.done:
-            return result.success, actions
-    return False, actions
+@dataclass
+class _Run:
+    """What every check gets: the env under check, a factory of fresh guarded instances, the
+    settings, and `state` that earlier checks fill for later ones (the sampled tasks, step counts)."""
+
+    env: _Guarded
+    make: Callable[[], _Guarded]
+    tasks: int
+    seed: int
+    fuzz: int
+    expert_limit: int
+    max_turns: int | None
+    state: dict[str, Any] = field(default_factory=dict)
+
+    def all_tasks(self) -> list[TaskSpec]:
+        _require("train" in self.state, "needs the splits check to pass")
+        return self.state["train"] + self.state["heldout"]
 
 
-def check_env(env: str | type | Callable[[], Env], kwargs: dict | None = None, tasks: int = 12, seed: int = 0,
-              fuzz: int = 2000, expert_limit: int = 200) -> ConformanceReport:
-    """Run every check on an env (a built-in name, 'package.module:Class', a class, or a factory)."""
-    make, label = _factory(env, kwargs)
+def check_env(env: str | type | Callable[[], Env], kwargs: dict | None = None, tasks: int = DEFAULT_TASKS,
+              seed: int = 0, fuzz: int = 2000, expert_limit: int = 200, max_turns: int | None = None,
+              step_timeout: float | None = DEFAULT_STEP_TIMEOUT,
+              on_result: Callable[[CheckResult], None] | None = None) -> ConformanceReport:
+    """Run every check on an env (a built-in name, 'package.module:Class', a class, or a factory):
+    `tasks` per split, `fuzz` hostile actions, at most `expert_limit` expert steps per task, the
+    turn limit `max_turns` (None: not checked), `step_timeout` seconds per env call (None: no
+    limit). `on_result` is called with each check's result as soon as it is known."""
+    build, label = _factory(env, kwargs)
+
+    def make() -> _Guarded:
+        with time_limit(step_timeout, f"building {label}"):
+            instance = build()
+        _require(isinstance(instance, Env), f"{label} does not build an envs.base.Env (got {type(instance).__name__})")
+        return _Guarded(instance, step_timeout)
+
     report = ConformanceReport(label)
-    instance = make()
-    _require(isinstance(instance, Env), f"{label} does not build an envs.base.Env (got {type(instance).__name__})")
-    state: dict[str, Any] = {}
-    checks = [("class", _check_class), ("splits", _check_splits), ("determinism", _check_determinism),
-              ("reset_step", _check_reset_step), ("admissible", _check_admissible), ("expert", _check_expert),
-              ("hindsight", _check_hindsight), ("canonicalize", _check_canonicalize),
-              ("prompting", _check_prompting), ("fuzz", _check_fuzz)]
-    try:
-        for name, check in checks:
-            start = time.perf_counter()
-            try:
-                detail = check(instance, make, tasks, seed, fuzz, expert_limit, state) or ""
-                status = "pass"
-            except _Skip as skip:
-                status, detail = "skip", str(skip)
-            except _CheckFailed as failure:
-                status, detail = "fail", str(failure)
-            except Exception as exc:  # the env raised where it must not
-                tb = traceback.format_exc(limit=-2).strip().splitlines()
-                status, detail = "fail", f"raised {type(exc).__name__}: {exc} [{' | '.join(tb[-3:])}]"
-            report.results.append(CheckResult(name, status, detail, time.perf_counter() - start))
-    finally:
+    run = _Run(make(), make, tasks, seed, fuzz, expert_limit, max_turns)
+
+    def record(result: CheckResult) -> None:
+        report.results.append(result)
+        if on_result:
+            on_result(result)
+
+    for name, check in CHECKS:
         start = time.perf_counter()
+        renew = False
         try:
-            instance.close()
-            instance.close()
-            report.results.append(CheckResult("close", "pass", "close() twice", time.perf_counter() - start))
-        except Exception as exc:
-            report.results.append(CheckResult("close", "fail", f"close() raised {type(exc).__name__}: {exc}",
-                                              time.perf_counter() - start))
+            detail = check(run) or ""
+            status = "pass"
+        except _Skip as skip:
+            status, detail = "skip", str(skip)
+        except _CheckFailed as failure:
+            status, detail = "fail", str(failure)
+        except CallTimedOut as timeout:
+            status, detail, renew = "fail", f"{timeout}; {run.env.trail()}", True
+        except Exception as exc:  # the env raised where it must not
+            tb = traceback.format_exc(limit=-2).strip().splitlines()
+            status, detail = "fail", (f"raised {type(exc).__name__}: {exc} [{' | '.join(tb[-3:])}]; "
+                                      f"{run.env.trail()}")
+        if renew:  # the hung instance is closed as far as it lets itself be; the rest runs on a fresh one
+            try:
+                run.env.close()
+            except (Exception, CallTimedOut):
+                pass
+            try:
+                run.env = make()
+            except (Exception, CallTimedOut) as exc:
+                detail += f"; a fresh instance could not be built ({exc}): the remaining checks are not run"
+                record(CheckResult(name, status, detail, time.perf_counter() - start))
+                return report
+            detail += "; the remaining checks run on a fresh instance"
+        record(CheckResult(name, status, detail, time.perf_counter() - start))
+
+    start = time.perf_counter()
+    try:
+        run.env.close()
+        run.env.close()
+        record(CheckResult("close", "pass", "close() twice", time.perf_counter() - start))
+    except (Exception, CallTimedOut) as exc:
+        record(CheckResult("close", "fail", f"close() raised {type(exc).__name__}: {exc}", time.perf_counter() - start))
     return report
 
 
-def _check_class(env: Env, make, n, seed, fuzz, limit, state) -> str:
-    cls = type(env)
-    _require(isinstance(getattr(cls, "name", None), str) and cls.name != "", "the class needs a non-empty `name`")
-    types = getattr(cls, "task_types", None)
-    _require(isinstance(types, tuple) and types and all(isinstance(t, str) for t in types),
-             "`task_types` must be a non-empty tuple of str")
-    return f"name={cls.name!r}, {len(types)} task types"
+def _check_class(run: _Run) -> str:
+    env = run.env
+    name = getattr(env, "name", None)
+    _require(isinstance(name, str) and name != "", "the env needs a non-empty str `name` (a class attribute)")
+    types = getattr(env, "task_types", None)
+    _require(isinstance(types, tuple) and types != () and all(isinstance(t, str) for t in types),
+             "`task_types` must be a non-empty tuple of str (a class attribute or one set in __init__), "
+             f"got {types!r:.80}")
+    _require(len(set(types)) == len(types), f"`task_types` lists a type twice: {types}")
+    _require(isinstance(env.admissible_exact, bool), f"`admissible_exact` must be a bool, got {env.admissible_exact!r}")
+    return f"name={name!r}, {len(types)} task types, admissible_exact={env.admissible_exact}"
 
 
-def _check_splits(env: Env, make, n, seed, fuzz, limit, state) -> str:
+def _check_splits(run: _Run) -> str:
+    env, n, seed = run.env, run.tasks, run.seed
     ids, contents = {}, {}
     for split in SPLITS:
         tasks = env.sample_tasks(split, n, seed)
@@ -258,7 +403,8 @@ def _check_splits(env: Env, make, n, seed, fuzz, limit, state) -> str:
             _require(isinstance(task, TaskSpec), f"sample_tasks gave a {type(task).__name__}, not a TaskSpec")
             _require(task.env == env.name and task.split == split,
                      f"task {task.task_id}: env/split are {task.env!r}/{task.split!r}, expected {env.name!r}/{split!r}")
-            _require(task.task_type in env.task_types, f"task type {task.task_type!r} is not in task_types")
+            _require(task.task_type in env.task_types,
+                     f"task type {task.task_type!r} is not in the instance's task_types {env.task_types}")
             try:
                 json.dumps(task.spec)
             except (TypeError, ValueError) as exc:
@@ -266,9 +412,13 @@ def _check_splits(env: Env, make, n, seed, fuzz, limit, state) -> str:
             back = TaskSpec.from_row(task.to_row())
             _require(back.task_id == task.task_id and back.spec == task.spec,
                      f"task {task.task_id} does not survive to_row/from_row")
+        if n >= len(env.task_types):
+            missing = [t for t in env.task_types if t not in {task.task_type for task in tasks}]
+            _require(not missing, f"sample_tasks({split!r}, {n}) never gave the declared task types {missing}: "
+                                  "task_types must list the types the instance samples (round-robin)")
         ids[split] = {t.task_id for t in tasks}
         contents[split] = {(t.task_type, json.dumps(t.spec, sort_keys=True)) for t in tasks}
-        state[split] = tasks
+        run.state[split] = tasks
     _require(not ids["train"] & ids["heldout"], "a task id appears in both train and heldout")
     _require(not contents["train"] & contents["heldout"], "the same task (type and spec) is in both train and heldout")
     try:
@@ -277,11 +427,11 @@ def _check_splits(env: Env, make, n, seed, fuzz, limit, state) -> str:
         pass
     else:
         raise _CheckFailed("sample_tasks('no-such-split') must raise ValueError")
-    types = sorted({t.task_type for t in state["train"]})
-    return f"{n} train + {n} heldout tasks, disjoint; train types: {', '.join(types)}"
+    return (f"{n} train ({len(ids['train'])} distinct) + {n} heldout ({len(ids['heldout'])} distinct) tasks, "
+            f"disjoint; types: {', '.join(sorted({t.task_type for t in run.state['train']}))}")
 
 
-def _probe_actions(env: Env, rng: random.Random) -> str:
+def _probe_actions(env: _Guarded, rng: random.Random) -> str:
     """An action for determinism probes: the expert's, else a random admissible one, else a fixed text."""
     action = env.expert_action()
     if action is None:
@@ -290,18 +440,20 @@ def _probe_actions(env: Env, rng: random.Random) -> str:
     return action
 
 
-def _check_determinism(env: Env, make, n, seed, fuzz, limit, state) -> str:
-    _require("train" in state, "needs the splits check to pass")
+def _check_determinism(run: _Run) -> str:
+    env, n, seed = run.env, run.tasks, run.seed
+    _require("train" in run.state, "needs the splits check to pass")
     for split in SPLITS:
         again = [t.task_id for t in env.sample_tasks(split, n, seed)]
-        _require(again == [t.task_id for t in state[split]], f"sample_tasks({split!r}, seed={seed}) differs between calls")
-    other = make()
+        _require(again == [t.task_id for t in run.state[split]],
+                 f"sample_tasks({split!r}, seed={seed}) differs between calls")
+    other = run.make()
     try:
-        _require([t.task_id for t in other.sample_tasks("train", n, seed)] == [t.task_id for t in state["train"]],
+        _require([t.task_id for t in other.sample_tasks("train", n, seed)] == [t.task_id for t in run.state["train"]],
                  "a fresh instance samples other tasks for the same seed")
-        _require([t.task_id for t in env.sample_tasks("train", n, seed + 1)] != [t.task_id for t in state["train"]],
+        _require([t.task_id for t in env.sample_tasks("train", n, seed + 1)] != [t.task_id for t in run.state["train"]],
                  "another seed gives exactly the same tasks")
-        for task in state["train"][: min(n, 4)]:
+        for task in run.state["train"][: min(n, 4)]:
             traces = []
             for instance in (env, other):
                 rng = random.Random(seed)
@@ -314,44 +466,47 @@ def _check_determinism(env: Env, make, n, seed, fuzz, limit, state) -> str:
                         break
                 traces.append(trace)
             _require(traces[0] == traces[1], f"task {task.task_id}: the same actions gave different results "
-                                             f"in two instances")
+                                             f"in two instances; {env.trail()}")
     finally:
         other.close()
     return "same seed -> same tasks and episodes (two instances); another seed -> other tasks"
 
 
-def _check_reset_step(env: Env, make, n, seed, fuzz, limit, state) -> str:
-    for task in state["train"] + state["heldout"]:
+def _check_reset_step(run: _Run) -> str:
+    env = run.env
+    tasks = run.all_tasks()
+    for task in tasks:
         observation = env.reset(task)
         _require(isinstance(observation, str) and observation.strip() != "",
                  f"reset({task.task_id}) must return a non-empty str")
-        rng = random.Random(seed)
-        _check_result(env.step(_probe_actions(env, rng)), "probe")
-    return f"{2 * n} resets"
+        action = _probe_actions(env, random.Random(run.seed))
+        _check_result(env.step(action), action, env)
+    return f"{len(tasks)} resets"
 
 
-def _check_admissible(env: Env, make, n, seed, fuzz, limit, state) -> str:
-    rng = random.Random(seed)
+def _check_admissible(run: _Run) -> str:
+    env, rng = run.env, random.Random(run.seed)
     played = listed = accepted = 0
-    exact = getattr(type(env), "admissible_exact", True)
-    for task in state["train"][: max(1, n // 2)]:
+    exact = env.admissible_exact
+    for task in run.all_tasks()[: max(1, run.tasks // 2)]:
         env.reset(task)
         for _ in range(10):
             actions = env.admissible_actions()
             if actions is None:
                 raise _Skip("admissible_actions() is None: a free-form env") if played == 0 else _CheckFailed(
-                    "admissible_actions() switched from a list to None mid-episode")
+                    f"admissible_actions() switched from a list to None mid-episode; {env.trail()}")
             _require(isinstance(actions, list) and all(isinstance(a, str) for a in actions),
                      "admissible_actions() must be None or a list of str")
             if not actions:
                 break
             listed += len(actions)
             action = rng.choice(actions)
-            result = _check_result(env.step(action), action)
+            result = _check_result(env.step(action), action, env)
             if result.info["valid"]:
                 accepted += 1
             else:
-                _require(not exact, f"admissible action {action!r} was rejected: {result.observation[:120]!r}")
+                _require(not exact, f"admissible action {action!r} was rejected: {result.observation[:120]!r}; "
+                                    f"{env.trail()}")
             played += 1
             if result.done:
                 break
@@ -362,35 +517,179 @@ def _check_admissible(env: Env, make, n, seed, fuzz, limit, state) -> str:
             "admissible_exact = False: its lists over-generate)")
 
 
-def _check_expert(env: Env, make, n, seed, fuzz, limit, state) -> str:
-    env.reset(state["train"][0])
+def _play_expert(env: _Guarded, task: TaskSpec, limit: int, after: list[str] = ()) -> tuple[bool, list[str]]:
+    """Reset, play `after` (hostile actions), then follow the expert; (solved, the expert's actions)."""
+    env.reset(task)
+    for action in after:
+        if _check_result(env.step(action), action, env).done:
+            return False, []
+    actions: list[str] = []
+    for _ in range(limit):
+        action = env.expert_action()
+        if action is None:
+            break
+        _require(isinstance(action, str), f"expert_action() returned {type(action).__name__}")
+        actions.append(action)
+        result = _check_result(env.step(action), action, env)
+        if result.done:
+            return result.success, actions
+    return False, actions
+
+
+def _check_expert(run: _Run) -> str:
+    env, tasks = run.env, run.all_tasks()
+    env.reset(tasks[0])
     if env.expert_action() is None:
         raise _Skip("expert_action() is None: the env has no scripted expert")
-    solved, steps, failed = 0, 0, []
-    tasks = state["train"] + state["heldout"]
+    steps: dict[str, int] = {}   # task id -> the expert's steps (a task sampled twice counts once)
+    counts, failed = [], []
     for task in tasks:
-        ok, actions = _play_expert(env, task, limit)
-        solved += ok
-        steps += len(actions)
-        if not ok:
-            failed.append(task.task_id)
-    _require(not failed, f"the expert failed {len(failed)}/{len(tasks)} tasks, e.g. {failed[:3]}")
-    state["expert"] = True
-    return f"expert solved {solved}/{len(tasks)} tasks ({steps / len(tasks):.1f} steps each)"
+        ok, actions = _play_expert(env, task, run.expert_limit)
+        if ok:
+            steps[task.task_id] = len(actions)
+            counts.append(len(actions))
+        else:
+            failed.append(f"{task.task_id} ({len(actions)} expert steps; {env.trail()})")
+    _require(not failed, f"the expert failed {len(failed)}/{len(tasks)} tasks: {' | '.join(failed[:3])}")
+    run.state["expert"] = True
+    run.state["expert_steps"] = steps
+    return (f"expert solved {len(tasks)}/{len(tasks)} tasks ({sum(counts) / len(counts):.1f} steps each, "
+            f"at most {max(counts)})")
 
 
-def _check_hindsight(env: Env, make, n, seed, fuzz, limit, state) -> str:
+def _check_solution(run: _Run) -> str:
+    env, tasks = run.env, run.all_tasks()
+    steps: dict[str, int] = {}   # task id -> the solution's steps (a task sampled twice counts once)
+    counts, failed, none = [], [], 0
+    for task in tasks:
+        env.reset(task)
+        plan = env.solution()
+        if plan is None:
+            none += 1
+            continue
+        _require(isinstance(plan, list) and plan and all(isinstance(a, str) for a in plan),
+                 f"task {task.task_id}: solution() must be None or a non-empty list of str, got {plan!r:.80}")
+        result = None
+        for action in plan:
+            result = _check_result(env.step(action), action, env)
+            if result.done:
+                break
+        if not (result.done and result.success):
+            ended = "it ended unsolved" if result.done else "the episode did not end"
+            failed.append(f"{task.task_id} ({ended} after {len(env.actions)} of {len(plan)} actions; {env.trail()})")
+        else:
+            steps[task.task_id] = len(env.actions)
+            counts.append(len(env.actions))
+        _require(env.solution() == plan, f"task {task.task_id}: solution() changed during the episode "
+                                         "(it must always give the plan from the task's start)")
+    if none == len(tasks):
+        raise _Skip("solution() is None: the env gives no solution")
+    _require(not failed, f"playing solution() from a fresh reset failed {len(failed)}/{len(tasks) - none} "
+                         f"tasks: {' | '.join(failed[:3])}")
+    run.state["solution_steps"] = steps
+    return (f"solution() solved {len(counts)}/{len(counts)} tasks ({sum(counts) / len(counts):.1f} steps each, "
+            f"at most {max(counts)})" + (f"; None on {none} tasks" if none else ""))
+
+
+def _check_max_turns(run: _Run) -> str:
+    if run.max_turns is None:
+        raise _Skip("no turn limit given (--max-turns N, or --config)")
+    counted = {who: run.state[f"{who}_steps"] for who in ("expert", "solution") if f"{who}_steps" in run.state}
+    if not counted:
+        raise _Skip("neither an expert nor a solution to count steps of")
+    over: dict[str, dict[str, int]] = {}
+    for who, steps in counted.items():
+        for task_id, n in steps.items():
+            if n > run.max_turns:
+                over.setdefault(task_id, {})[who] = n
+    shown = [f"{task_id} ({', '.join(f'{who} {n}' for who, n in by.items())} steps)"
+             for task_id, by in list(over.items())[:8]]
+    _require(not over, f"on {len(over)}/{len(run.all_tasks())} tasks the expert or solution needs more than "
+                       f"env.max_turns = {run.max_turns} steps (a run ends those episodes first): "
+                       f"{', '.join(shown)}{', ...' if len(over) > 8 else ''}")
+    most = ", ".join(f"{who} at most {max(steps.values())}" for who, steps in counted.items())
+    return f"every task fits in env.max_turns = {run.max_turns} steps ({most})"
+
+
+_CLAUSE_END = re.compile(r"[.?!:;\n]")
+
+
+def _check_rules(run: _Run) -> str:
+    """Each task's statement (its first observation) is cut into clauses at . ? ! : ; and line ends;
+    a clause of 8 or more characters found in fewer than half of the statements is the task's own
+    (not boilerplate every task repeats), and no rule may contain it."""
+    env, tasks = run.env, run.all_tasks()
+    seen = []
+    for task in tasks:
+        statement = env.reset(task)
+        rules = env.rules()
+        _require(isinstance(rules, list) and all(isinstance(r, str) and r.strip() for r in rules),
+                 f"task {task.task_id}: rules() must be a list of non-empty str, got {rules!r:.80}")
+        clauses = {c.strip() for c in _CLAUSE_END.split(statement) if len(c.strip()) >= 8}
+        actions = [a for a in (env.solution() or []) if any(c.isdigit() for c in a)]
+        seen.append((task, rules, clauses, actions))
+    counts: dict[str, int] = {}
+    for _, _, clauses, _ in seen:
+        for clause in clauses:
+            counts[clause] = counts.get(clause, 0) + 1
+    for task, rules, clauses, actions in seen:
+        own = [c for c in clauses if counts[c] * 2 < len(tasks)]
+        for rule in rules:
+            for text in own:
+                _require(text not in rule,
+                         f"task {task.task_id}: the rule {rule!r:.100} restates the task ({text!r:.80})")
+            for action in actions:
+                _require(action not in rule, f"task {task.task_id}: the rule {rule!r:.100} names the solution's "
+                                             f"action {action!r:.60}")
+    if not any(rules for _, rules, _, _ in seen):
+        raise _Skip("rules() is empty: SRD's template writer then writes a generic Rule")
+    per_task = sum(len(rules) for _, rules, _, _ in seen) / len(seen)
+    return f"{per_task:.1f} rules per task, none restating the task or naming its solution's actions"
+
+
+def _check_tools(run: _Run) -> str:
+    tools = run.env.tools()
+    if tools is None:
+        raise _Skip("tools() is None: actions are not tool calls")
+    _require(isinstance(tools, list) and tools, f"tools() must be None or a non-empty list, got {tools!r:.80}")
+    names = []
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        _require(isinstance(tool, dict) and tool.get("type") == "function" and isinstance(function, dict),
+                 f'each tool is {{"type": "function", "function": {{...}}}}, got {tool!r:.80}')
+        name, parameters = function.get("name"), function.get("parameters")
+        _require(isinstance(name, str) and name != "" and isinstance(function.get("description"), str),
+                 f"tool {name!r}: the function needs a non-empty str name and a str description")
+        _require(isinstance(parameters, dict) and parameters.get("type") == "object"
+                 and isinstance(parameters.get("properties"), dict),
+                 f'tool {name!r}: parameters must be a JSON schema {{"type": "object", "properties": {{...}}}}')
+        required = parameters.get("required", [])
+        _require(isinstance(required, list) and set(required) <= set(parameters["properties"]),
+                 f"tool {name!r}: required {required!r} must be a list of its properties")
+        names.append(name)
+    _require(len(set(names)) == len(names), f"tool names repeat: {names}")
+    try:
+        json.dumps(tools)
+    except (TypeError, ValueError) as exc:
+        raise _CheckFailed(f"tools() is not JSON-ready ({exc})") from None
+    return f"{len(tools)} function schemas: {', '.join(names)}"
+
+
+def _check_hindsight(run: _Run) -> str:
+    env = run.env
+
     def facts() -> list[str]:
         out = env.hindsight()
-        _require(isinstance(out, list) and all(isinstance(f, str) for f in out), "hindsight() must be a list of str")
+        _require(isinstance(out, list) and all(isinstance(f, str) for f in out),
+                 f"hindsight() must be a list of str; {env.trail()}")
         return out
 
     counts = []
-    for task in state["train"][: min(n, 6)]:
+    for task in run.all_tasks()[: min(run.tasks, 6)]:
         env.reset(task)
         facts()
-        rng = random.Random(seed)
-        for _ in range(limit):
+        rng = random.Random(run.seed)
+        for _ in range(run.expert_limit):
             result = env.step(_probe_actions(env, rng))
             facts()
             if result.done:
@@ -399,12 +698,13 @@ def _check_hindsight(env: Env, make, n, seed, fuzz, limit, state) -> str:
     return f"lists of str; {sum(counts) / len(counts):.1f} facts at the end of an episode"
 
 
-def _check_canonicalize(env: Env, make, n, seed, fuzz, limit, state) -> str:
-    texts = hostile_actions(min(fuzz, 300), seed, [])
+def _check_canonicalize(run: _Run) -> str:
+    env = run.env
+    texts = hostile_actions(min(run.fuzz, 300), run.seed, [])
     symbols = set()
-    for task in state["train"][: min(n, 4)]:
+    for task in run.all_tasks()[: min(run.tasks, 4)]:
         env.reset(task)
-        rng = random.Random(seed)
+        rng = random.Random(run.seed)
         for _ in range(8):
             action = _probe_actions(env, rng)
             texts.append(action)
@@ -418,41 +718,42 @@ def _check_canonicalize(env: Env, make, n, seed, fuzz, limit, state) -> str:
     return f"{len(texts)} texts -> {len(symbols)} symbols, e.g. {', '.join(sorted(symbols)[:4])}"
 
 
-def _check_prompting(env: Env, make, n, seed, fuzz, limit, state) -> str:
-    text = env.instructions()
+def _check_prompting(run: _Run) -> str:
+    text = run.env.instructions()
     _require(isinstance(text, str) and text.strip() != "", "instructions() must be a non-empty str")
-    demo = env.demonstration()
+    demo = run.env.demonstration()
     _require(isinstance(demo, list), "demonstration() must be a list")
     for turn in demo:
-        _require(isinstance(turn, tuple) and len(turn) == 3, "each demonstration turn is (observation, admissible, action)")
+        _require(isinstance(turn, tuple) and len(turn) == 3,
+                 "each demonstration turn is (observation, admissible, action)")
         observation, admissible, action = turn
-        _require(isinstance(observation, str) and isinstance(action, str)
-                 and (admissible is None or (isinstance(admissible, list) and all(isinstance(a, str) for a in admissible))),
+        listed = admissible is None or (isinstance(admissible, list) and all(isinstance(a, str) for a in admissible))
+        _require(isinstance(observation, str) and isinstance(action, str) and listed,
                  "demonstration turn types: (str, list[str] | None, str)")
     return f"{len(text)}-char instructions, {len(demo)} demonstration turns"
 
 
-def _check_fuzz(env: Env, make, n, seed, fuzz, limit, state) -> str:
-    if fuzz <= 0:
+def _check_fuzz(run: _Run) -> str:
+    if run.fuzz <= 0:
         raise _Skip("fuzz=0")
-    tasks = state["train"] + state["heldout"]
+    env, tasks = run.env, run.all_tasks()
     real: list[str] = []
     for task in tasks[:4]:
         env.reset(task)
-        rng = random.Random(seed)
+        rng = random.Random(run.seed)
         for _ in range(6):
             action = _probe_actions(env, rng)
             real.append(action)
             if env.step(action).done:
                 break
         real += (env.admissible_actions() or [])[:20]
-    actions = hostile_actions(fuzz, seed, real)
-    rejected, resets, episode = 0, 0, 0
+    actions = hostile_actions(run.fuzz, run.seed, real)
+    rejected, episode = 0, 0
     feedback: dict[str, int] = {}
     first = True
     env.reset(tasks[0])
     for action in actions:
-        result = _check_result(env.step(action), action)
+        result = _check_result(env.step(action), action, env)
         if not result.info["valid"]:
             rejected += 1
             feedback[result.info["feedback"]] = feedback.get(result.info["feedback"], 0) + 1
@@ -461,30 +762,75 @@ def _check_fuzz(env: Env, make, n, seed, fuzz, limit, state) -> str:
         first = False
         if result.done:
             episode += 1
-            resets += 1
             env.reset(tasks[episode % len(tasks)])
             first = True
     recovered = ""
-    if state.get("expert"):
+    if run.state.get("expert"):
         for i, task in enumerate(tasks[: min(len(tasks), 6)]):
-            ok, _ = _play_expert(env, task, limit, after=[actions[(i * 7) % len(actions)]])
-            _require(ok, f"after the hostile action {_show(actions[(i * 7) % len(actions)])} the expert no longer "
-                         f"solves task {task.task_id}")
+            hostile = actions[(i * 7) % len(actions)]
+            ok, _ = _play_expert(env, task, run.expert_limit, after=[hostile])
+            _require(ok, f"after the hostile action {_show(hostile)} the expert no longer solves task {task.task_id}; "
+                         f"{env.trail()}")
         recovered = "; the expert still solves tasks after a hostile action"
     kinds = ", ".join(f"{k} {v}" for k, v in sorted(feedback.items(), key=lambda kv: -kv[1]))
-    return f"{len(actions)} actions, none raised; {rejected} rejected ({kinds}); {resets} episodes ended{recovered}"
+    return f"{len(actions)} actions, none raised; {rejected} rejected ({kinds}); {episode} episodes ended{recovered}"
+
+
+CHECKS: list[tuple[str, Callable[[_Run], str]]] = [
+    ("class", _check_class), ("splits", _check_splits), ("determinism", _check_determinism),
+    ("reset_step", _check_reset_step), ("admissible", _check_admissible), ("expert", _check_expert),
+    ("solution", _check_solution), ("max_turns", _check_max_turns), ("rules", _check_rules), ("tools", _check_tools),
+    ("hindsight", _check_hindsight), ("canonicalize", _check_canonicalize), ("prompting", _check_prompting),
+    ("fuzz", _check_fuzz),
+]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m envs.conformance", description=__doc__.split("\n\n")[0])
-    parser.add_argument("env", help="a built-in env name or 'package.module:Class'")
-    parser.add_argument("--kwargs", default="{}", help="JSON object of constructor keyword arguments")
-    parser.add_argument("--tasks", type=int, default=12, help="tasks sampled per split (default 12)")
+    parser.add_argument("env", nargs="?",
+                        help="a built-in env name or 'package.module:Class' (default: the config's env.name)")
+    parser.add_argument("--config", action="append", default=[], metavar="FILE",
+                        help="an rsiflow config: env.name, env.kwargs and env.max_turns come from it "
+                             "(repeat for overlays)")
+    parser.add_argument("--kwargs", help="JSON object of constructor keyword arguments "
+                                         "(default: the config's env.kwargs, else {})")
+    parser.add_argument("--max-turns", type=int, help="fail tasks whose expert or solution needs more steps "
+                                                      "(default: the config's env.max_turns, else not checked)")
+    parser.add_argument("--tasks", type=int, default=DEFAULT_TASKS,
+                        help=f"tasks sampled per split (default {DEFAULT_TASKS})")
     parser.add_argument("--fuzz", type=int, default=2000, help="random and hostile actions (default 2000)")
+    parser.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT,
+                        help=f"seconds one env call may take before it fails the check "
+                             f"(default {DEFAULT_STEP_TIMEOUT:g}; 0: no limit)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    report = check_env(args.env, json.loads(args.kwargs), tasks=args.tasks, seed=args.seed, fuzz=args.fuzz)
-    print(report)
+
+    name, kwargs, max_turns = args.env, {}, args.max_turns
+    if args.config:
+        from configs.schema import ConfigError, load_config
+
+        try:
+            cfg = load_config(args.config)
+        except ConfigError as exc:
+            parser.error(str(exc))
+        name = name or cfg.env.name
+        kwargs = dict(cfg.env.kwargs)
+        max_turns = cfg.env.max_turns if max_turns is None else max_turns
+    if name is None:
+        parser.error("name an env (a built-in name or 'package.module:Class') or give --config FILE")
+    if args.kwargs is not None:
+        try:
+            kwargs = json.loads(args.kwargs)
+        except ValueError as exc:
+            parser.error(f"--kwargs is not JSON: {exc}")
+        if not isinstance(kwargs, dict):
+            parser.error(f"--kwargs must be a JSON object, got {args.kwargs!r}")
+
+    print(f"conformance of {name} (kwargs {json.dumps(kwargs)}; {args.tasks} tasks per split, fuzz {args.fuzz}, "
+          f"max_turns {max_turns}, step timeout {args.step_timeout:g} s)", flush=True)
+    report = check_env(name, kwargs, tasks=args.tasks, seed=args.seed, fuzz=args.fuzz, max_turns=max_turns,
+                       step_timeout=args.step_timeout or None, on_result=lambda r: print(r.line(), flush=True))
+    print(f"conformance of {name}: {'PASS' if report.ok else 'FAIL'}", flush=True)
     return 0 if report.ok else 1
 
 

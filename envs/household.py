@@ -531,9 +531,11 @@ class HouseholdEnv(Env):
             return f"open {receptacle}"
         return action
 
-    def _expert_plan(self) -> list[str]:
-        """The expert's actions from the start of the current task."""
-        assert self._task is not None
+    def solution(self) -> list[str] | None:
+        """The expert's actions from the start of the current task (played in a separate instance,
+        so this episode is untouched); None before the first `reset`."""
+        if self._task is None:
+            return None
         env = HouseholdEnv(max_steps=50)  # the expert needs at most 11 steps from the start
         env.reset(self._task)
         plan = []
@@ -541,6 +543,35 @@ class HouseholdEnv(Env):
             plan.append(action)
             env.step(action)
         return plan
+
+    def rules(self) -> list[str]:
+        """The task type's recipe, then (where this layout needs them) opening closed receptacles to
+        find the object and before putting it in the target, then acting only where you are. No
+        object, receptacle or lamp of the task is named."""
+        if self._task is None:
+            return []
+        goal, spec = self._goal, self._task.spec
+        task_type = self._task.task_type
+        if task_type == "look_at_obj_in_light":
+            rules = ["Take the object first, then go to where the lamp stands and use the lamp while holding it."]
+        elif task_type == "pick_two_obj_and_place":
+            rules = ["Carry one object at a time: put the first one in the target, then fetch the second; "
+                     "both must end up there."]
+        elif goal["verb"]:
+            tool, _, past, _ = TRANSFORMS[goal["verb"]]
+            rules = [f"{goal['verb'].capitalize()} the object with the {tool} while holding it, then put it in "
+                     f"the target: putting it there before it is {past} does not count."]
+        else:
+            rules = ["Find the object, take it, go to the target and put it there."]
+        started_open = {r["name"]: r["open"] for r in spec["receptacles"]}
+        if any(_kind(o["name"]) == goal["object"] and not started_open[o["at"]] for o in spec["objects"]):
+            rules.append("Objects can be inside closed receptacles: open a closed cabinet, drawer, fridge or "
+                         "microwave to see what is in it.")
+        if goal["target"] and not started_open[goal["target"]]:
+            rules.append("Open a closed receptacle before putting anything in it.")
+        rules.append("Act only where you are: go to a receptacle before opening it, taking from it or putting "
+                     "into it; names include their number.")
+        return rules
 
     # ---- hindsight and symbols ---------------------------------------------------------------
 
@@ -574,7 +605,7 @@ class HouseholdEnv(Env):
                              f"before it is put {_prep(target)} {target}.")
             if goal["count"] == 2:
                 facts.append(f"Two {kind} objects must end up {_prep(target)} {target}, carried one at a time.")
-        plan = self._expert_plan()
+        plan = self.solution()
         facts.append(f"A {len(plan)}-step solution: {'; '.join(plan)}.")
         facts += self._lessons
         if self._done and not self._success:

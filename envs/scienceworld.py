@@ -25,17 +25,20 @@ Admissible actions are ScienceWorld's valid action-object combinations (often hu
 `env.show_admissible: false` in the config). They over-generate: about one random listed action
 in ten is refused when played ("No known action matches that input."; reported here as
 `feedback="inadmissible"`). Observations are normalized (`normalize_observation`): ScienceWorld
-lists a room's contents in an order that varies between loads of the same task. `expert_action()` and `hindsight()` use the gold
-action sequence ScienceWorld generates for every task: the expert follows it from where the
-agent's on-path actions left it (an off-path action that changed the world may derail it).
+lists a room's contents in an order that varies between loads of the same task. `expert_action()`,
+`solution()` and `hindsight()` use the gold action sequence ScienceWorld generates for every task:
+the expert follows it from where the agent's on-path actions left it (an off-path action that
+changed the world may derail it); `solution()` is the whole of it, less its ambiguity choices.
+`rules()` are the task family's recipe and two rules of every task (FAMILY_RULES).
 
 JVMs: every ScienceWorld simulator is its own JVM (~200 MB fresh, ~1 s to start; its heap is
 capped by `jvm_heap`, default 1 GB: uncapped, one grew to 4.5 GB over a few thousand steps).
 All env instances of a process share a pool of at most `max_jvms` simulators; an instance
 leases one at `reset`, and when more episodes are live than simulators (lockstep batches), a
 simulator is taken over by another episode and the first one is restored on its next step by
-reloading its task and replaying its actions (deterministic, ~0.3 s + ~30 ms per action). When the last live instance is closed, the pool shuts every JVM down; an
-atexit hook does the same at interpreter exit.
+reloading its task and replaying its actions (deterministic, ~0.3 s + ~30 ms per action). When
+the last live instance is closed, the pool shuts every JVM down; an atexit hook does the same at
+interpreter exit.
 """
 
 from __future__ import annotations
@@ -71,6 +74,33 @@ HELDOUT_SOURCES = ("dev", "test")
 MAX_ACTION_CHARS = 200
 UNKNOWN_ACTION = "No known action matches that input."
 BLOCKED = {"reset task": "The 'reset task' command is disabled here; the episode goes on."}
+# Task-family rules (`rules()`): the family's recipe, keyed by task-name prefixes; no variation's objects.
+FAMILY_RULES = (
+    (("find-",), "Find a thing of the kind the task names (look around in each room), focus on it, then move "
+                 "it to the box the task names."),
+    (("lifespan-",), "Go to where the animals are, look around, and focus on the animals in the order the task "
+                     "asks, by what you know of their life spans."),
+    (("boil", "melt", "freeze", "change-the-state-of-matter-of"),
+     "Focus on the substance first, then put it in a container and heat it (stove, oven) or cool it (freezer) "
+     "until its state changes; a thermometer shows how far it has got."),
+    (("chemistry-mix",), "Find the ingredients (and a recipe where the task mentions one), put them in one "
+                         "container, mix it, then focus on the result."),
+    (("grow-",), "Put seeds in flower pots with soil, water them, and wait for the plants to grow; focus on what "
+                 "the task names."),
+    (("identify-life-stages-",), "Focus on the life stages from earliest to latest; wait for the organism to "
+                                 "grow where a stage is not there yet."),
+    (("inclined-plane-",), "Time an object sliding down each inclined plane with the stopwatch, compare the "
+                           "times, then focus on the plane the task asks for."),
+    (("measure-melting-point-", "use-thermometer"),
+     "Focus on the thermometer first, then the substance; measure its temperature with the thermometer, then "
+     "act on the box the task's condition names."),
+    (("mendelian-genetics-",), "Plant seeds of both parents, water them, let them pollinate and look at the "
+                               "offspring's traits before choosing the box."),
+    (("power-component",), "Focus on the light bulb, then connect a power source's anode and cathode to the "
+                           "bulb's terminals with wires, closing the circuit."),
+    (("test-conductivity",), "Focus on the object, put it in a circuit with a battery, wires and a light bulb, "
+                             "and place it in the box the bulb's result names."),
+)
 
 # Canonical symbols: ScienceWorld's action templates -> verb<roles>.
 _TEMPLATES = [(re.compile(p), s) for p, s in [
@@ -272,7 +302,7 @@ def _shorten(text: str, limit: int = 60) -> str:
 class ScienceWorldEnv(Env):
     """ScienceWorld tasks; see the module docstring.
 
-    task_names: ScienceWorld task names to sample (default all 30), round-robin.
+    task_names: ScienceWorld task names to sample (default all 30), round-robin; the instance's `task_types`.
     simplification: ScienceWorld simplification string ("easy" by default; "" for none).
     heldout: which ScienceWorld split the "heldout" split draws from: "dev" (default) or "test".
     max_steps: actions per episode, refused ones included.
@@ -283,7 +313,6 @@ class ScienceWorldEnv(Env):
     """
 
     name = "scienceworld"
-    task_types = TASK_NAMES
     # ScienceWorld's valid-action lists over-generate: some listed combinations ("move chair to
     # sewer") are refused when played. The conformance check then only asks that most are accepted.
     admissible_exact = False
@@ -300,7 +329,7 @@ class ScienceWorldEnv(Env):
         if max_steps < 1 or max_jvms < 1:
             raise ValueError("scienceworld needs max_steps >= 1 and max_jvms >= 1")
         _require_runtime()
-        self.task_names = chosen
+        self.task_types = chosen
         self.simplification = simplification
         self.heldout = heldout
         self.max_steps = max_steps
@@ -362,7 +391,7 @@ class ScienceWorldEnv(Env):
         source = "train" if split == "train" else self.heldout
         tasks = []
         for i in range(n):
-            task = self.task_names[i % len(self.task_names)]
+            task = self.task_types[i % len(self.task_types)]
             rng = random.Random(f"scienceworld:{split}:{source}:{seed}:{i}")
             variation = rng.choice(self._variations(task, source))
             spec = {"task": task, "variation": variation, "simplification": self.simplification, "source": source}
@@ -419,6 +448,7 @@ class ScienceWorldEnv(Env):
     def _send(self, command: str) -> tuple[str, dict, float]:
         sim = self._live_sim()
         gold = self._gold()
+        self._skip_choices(gold)
         on_path = self._gold_pos < len(gold) and command == gold[self._gold_pos]
         observation, _, completed, info = sim.sim.step(command)
         self._sent.append(command)
@@ -468,9 +498,32 @@ class ScienceWorldEnv(Env):
         if self._task is None or self._done:
             return None
         gold = self._gold()
-        while self._gold_pos < len(gold) and gold[self._gold_pos].isdigit():   # an ambiguity choice, made in step()
-            self._gold_pos += 1
+        self._skip_choices(gold)
         return gold[self._gold_pos] if self._gold_pos < len(gold) else None
+
+    def _skip_choices(self, gold: list[str]) -> None:
+        """Move the gold-path position past ambiguity choices ("0"): `step()` makes them itself when
+        ScienceWorld asks, so they are never actions of their own."""
+        while self._gold_pos < len(gold) and gold[self._gold_pos].isdigit():
+            self._gold_pos += 1
+
+    def solution(self) -> list[str] | None:
+        """ScienceWorld's gold path for the current task without its ambiguity choices (`step()` makes
+        them); None before the first `reset` or where ScienceWorld gives no gold path."""
+        if self._task is None:
+            return None
+        return [a for a in self._gold() if not a.isdigit()] or None
+
+    def rules(self) -> list[str]:
+        """The task family's recipe (FAMILY_RULES), then focusing only on what the task names, then
+        moving between rooms; no object or place of the variation is named."""
+        if self._task is None:
+            return []
+        task = self._task.spec["task"]
+        rules = [rule for prefixes, rule in FAMILY_RULES if task.startswith(prefixes)][:1]
+        return rules + ["Focus only on what the task names, and only when it says to: focusing on anything else "
+                        "fails the task.",
+                        "Go from room to room (open doors that are closed) and look around after arriving."]
 
     def _gold(self) -> list[str]:
         spec = self._task.spec
@@ -496,7 +549,8 @@ class ScienceWorldEnv(Env):
             except Exception:
                 progress = ""
             if progress:
-                facts.append("Goal progress: " + " | ".join(line.strip() for line in progress.splitlines() if line.strip()))
+                lines = [line.strip() for line in progress.splitlines() if line.strip()]
+                facts.append("Goal progress: " + " | ".join(lines))
         if self._done and not self._success and self._gold_pos < len(gold):
             facts.append(f"The solution's step {self._gold_pos + 1} ('{gold[self._gold_pos]}') was where you left it.")
         for kind, count in sorted(self._refused.items()):

@@ -48,7 +48,8 @@ _ENDINGS = ("let", "fen", "dox", "mit", "rel", "nak", "pin", "zor", "lum", "wick
 TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {
         "name": "calculator",
-        "description": "Evaluate an arithmetic expression exactly: integers and decimals, + - * / // % ** and parentheses.",
+        "description": ("Evaluate an arithmetic expression exactly: integers and decimals, + - * / // % ** "
+                        "and parentheses."),
         "parameters": {"type": "object", "properties": {
             "expression": {"type": "string", "description": "The expression, e.g. \"3 * 17 + 2\"."}},
             "required": ["expression"]}}},
@@ -298,28 +299,28 @@ _DEMO_SPEC = {"question": "How many dollars do 3 glomits and 2 tuzor cost in tot
 class ToolUseEnv(Env):
     """Calculator + lookup-table questions; see the module docstring.
 
-    task_types: the task types to sample (default all four), round-robin.
+    task_types: the task types to sample (default all four), round-robin; the instance's `task_types`.
     max_steps: calls per episode, malformed ones included; the episode then ends unsolved.
     """
 
     name = "tooluse"
-    task_types = TASK_TYPES
 
     def __init__(self, task_types: list[str] | tuple[str, ...] | None = None, max_steps: int = 8):
         chosen = tuple(task_types) if task_types else TASK_TYPES
         unknown = [t for t in chosen if t not in TASK_TYPES]
         if unknown or max_steps < 1:
             raise ValueError(f"tooluse: task_types must be among {TASK_TYPES} (got {unknown}) and max_steps >= 1")
-        self.chosen_types = chosen
+        self.task_types = chosen
         self.max_steps = max_steps
         self._task: TaskSpec | None = None
 
     def tools(self) -> list[dict[str, Any]]:
-        """The tools as JSON schemas (transformers' `apply_chat_template(tools=...)` format)."""
+        """The tools as JSON schemas (transformers' `apply_chat_template(tools=...)` format); a fresh
+        copy on every call."""
         return json.loads(json.dumps(TOOLS))
 
     def sample_tasks(self, split: str, n: int, seed: int) -> list[TaskSpec]:
-        return sample_hashed_tasks(self.name, self.chosen_types, split, n, seed, generate_task)
+        return sample_hashed_tasks(self.name, self.task_types, split, n, seed, generate_task)
 
     def reset(self, task: TaskSpec) -> str:
         self._task = task
@@ -392,6 +393,35 @@ class ToolUseEnv(Env):
             return f'calculator(expression="{spec["expression"]}")'
         return f"answer(value={spec['answer']})"
 
+    def solution(self) -> list[str] | None:
+        """Look up every item the question needs, compute the expression (where there is one), answer."""
+        if self._task is None:
+            return None
+        spec = self._task.spec
+        plan = [f'lookup(item="{item}")' for item in spec["lookups"]]
+        plan += [f'calculator(expression="{spec["expression"]}")'] if spec["expression"] else []
+        return plan + [f"answer(value={spec['answer']})"]
+
+    def rules(self) -> list[str]:
+        """What the task type needs (which tools, how to combine the prices) and the call format; no
+        item, price or number of the task is named."""
+        if self._task is None:
+            return []
+        rules = {
+            "calc": ["Compute with calculator(expression=...) instead of by hand: large products are easy "
+                     "to get wrong."],
+            "lookup": ["Prices are only known through lookup(item=...): look up the item the question names; "
+                       "never guess a price."],
+            "lookup_calc": ["Prices are only known through lookup(item=...): look up every item the question "
+                            "names before computing.",
+                            "Multiply each item's quantity by its price and add the products in one calculator "
+                            "call."],
+            "compare": ["Prices are only known through lookup(item=...): look up both items before computing.",
+                        "Subtract the cheaper item's price from the dearer item's price."],
+        }[self._task.task_type]
+        return rules + ["Make one tool call per reply and finish with answer(value=<integer>), giving the number "
+                        "the tools produced."]
+
     def random_action(self, rng: random.Random) -> str:
         """A random well-formed call: a lookup of an item named in the question (or a made-up one),
         a calculator call on numbers seen so far, or an answer among those numbers (the survey's
@@ -420,9 +450,7 @@ class ToolUseEnv(Env):
             facts.append(f"The answer is {spec['expression']} = {spec['answer']}.")
         else:
             facts.append(f"The answer is {spec['answer']}.")
-        plan = [f'lookup(item="{i}")' for i in spec["lookups"]]
-        plan += [f'calculator(expression="{spec["expression"]}")'] if spec["expression"] else []
-        plan.append(f"answer(value={spec['answer']})")
+        plan = self.solution()
         facts.append(f"A {len(plan)}-call solution: {'; '.join(plan)}.")
         missed = [i for i in spec["lookups"] if i not in self._looked_up]
         if self._done and not self._success:

@@ -14,7 +14,10 @@ and check that it honours the interface:
     python -m envs.conformance examples.countdown_env:CountdownEnv
 
 What an env provides (envs/base.py):
-  name, task_types               class attributes; task types are how results are broken down
+  name                           class attribute: the env's name
+  task_types                     class attribute, or an instance attribute set in __init__ (where they
+                                 come from the kwargs or the env's data); results are broken down by them
+  admissible_exact               class attribute, default True: every listed admissible action is accepted
   sample_tasks(split, n, seed)   deterministic TaskSpecs; "train" and "heldout" never overlap
   reset(task) -> str             start a task; the observation states the goal
   step(action) -> StepResult     observation, reward, done, success, info{valid, feedback}; never raises
@@ -24,6 +27,9 @@ What an env provides (envs/base.py):
   instructions() -> str          the system prompt: what the agent is and the exact action format
   demonstration()                few-shot turns [(observation, admissible or None, action)]
   expert_action()                a scripted expert's next action (optional; enables checks)
+  solution()                     the actions that solve the current task from its start (optional)
+  rules()                        general rules for tasks like this one, without its answer (optional)
+  tools()                        JSON schemas of tool-call actions for the chat template (optional)
   close()                        release resources
 """
 
@@ -145,8 +151,8 @@ class CountdownEnv(Env):
             pool = list(spec["numbers"])
             for n in used:
                 if n not in pool:
-                    raise ValueError(f"{n} is not among the numbers left to use ({', '.join(map(str, spec['numbers']))}; "
-                                     "each at most once)")
+                    given = ", ".join(map(str, spec["numbers"]))
+                    raise ValueError(f"{n} is not among the numbers left to use ({given}; each at most once)")
                 pool.remove(n)
         except ValueError as error:
             observation, info = f"Invalid: {error}.", {"valid": False, "feedback": "invalid_expression"}
@@ -187,6 +193,18 @@ class CountdownEnv(Env):
 
     def expert_action(self) -> str | None:
         return None if self._task is None or self._done else self._task.spec["solution"]
+
+    def solution(self) -> list[str] | None:
+        """One reply: the expression the task was generated with."""
+        return None if self._task is None else [self._task.spec["solution"]]
+
+    def rules(self) -> list[str]:
+        """The game's rules and the reply format, without this puzzle's numbers."""
+        if self._task is None:
+            return []
+        return ["Use only the given numbers, each at most once; you need not use all of them.",
+                "Check that the expression's value equals the target exactly before replying.",
+                "Reply with the expression only, on one line."]
 
     def random_action(self, rng: random.Random) -> str:
         """Random numbers from the task joined by random operators (a random-policy baseline)."""

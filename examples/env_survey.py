@@ -97,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, args.set)
     env = make_env(cfg.env.name, **cfg.env.kwargs)
     try:
-        types = list(getattr(env, "chosen_types", None) or getattr(env, "levels", None)
-                     or getattr(env, "task_names", None) or env.task_types)
+        types = list(env.task_types)   # the instance's: the kwargs may narrow them
         seed = cfg.gate.seed if args.seed is None else args.seed
         tasks = env.sample_tasks(args.split, args.per_type * len(types), seed)
         t0 = time.perf_counter()

@@ -34,7 +34,7 @@ def test_problems_are_exact_and_expressions_match_their_answers(level):
         assert p["steps"][-1].endswith(f"= {p['answer']}")
         if p["form"] == "expression":
             expression = p["question"].removeprefix("What is ").removesuffix("?")
-            assert eval(re.sub(r"(\d+)", r"Fraction(\1)", expression)) == p["answer"]
+            assert eval(re.sub(r"(\d+)", r"Fraction(\1)", expression), {"Fraction": Fraction}) == p["answer"]
 
 
 def test_one_step_episodes_and_a_retry_for_unparseable_replies():
@@ -65,7 +65,7 @@ def test_levels_round_robin_and_splits_disjoint():
 def test_levels_kwarg_and_demonstration_format():
     env = ArithmeticEnv(levels=["level2"])
     assert {t.task_type for t in env.sample_tasks("heldout", 10, 1)} == {"level2"}
-    for question, admissible, reply in env.demonstration():
+    for _question, admissible, reply in env.demonstration():
         assert admissible is None and reply.endswith(f"Answer: {parse_answer(reply)}")
     assert "Answer: <integer>" in env.instructions()
     with pytest.raises(ValueError):
@@ -77,3 +77,24 @@ def test_canonicalize():
     assert env.canonicalize("Answer: 42") == "answer<integer>"
     assert env.canonicalize("6 + 5 = 11. Answer: 11") == "answer<working,integer>"
     assert env.canonicalize("hmm") == "invalid<>"
+
+
+def test_levels_are_the_instances_task_types():
+    assert ArithmeticEnv(levels=["level2", "level4"]).task_types == ("level2", "level4")
+    assert ArithmeticEnv().task_types == LEVELS
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_solution_is_a_worked_reply_and_rules_name_no_number(level):
+    env = ArithmeticEnv(levels=[level])
+    assert env.solution() is None and env.rules() == []
+    for task in env.sample_tasks("train", 20, seed=0):
+        env.reset(task)
+        (reply,) = env.solution()
+        assert reply == f"{', '.join(task.spec['steps'])}. Answer: {task.spec['answer']}"
+        assert env.step(reply).success
+        rules = env.rules()
+        assert rules[-1] == "End the one-line reply with 'Answer: <integer>'; every answer is a whole number."
+        assert not any(c.isdigit() for rule in rules for c in rule)
+        word = "running total" in rules[0]
+        assert word == (task.spec["form"] == "word")

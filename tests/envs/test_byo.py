@@ -37,3 +37,12 @@ def test_the_example_plays_a_wrong_then_a_right_expression():
     result = env.step(task.spec["solution"])
     assert result.success and result.done
     assert env.canonicalize("(6 + 4) * 3") == "expr<3>" and env.canonicalize("hello") == "invalid<>"
+
+
+def test_the_example_gives_its_solution_and_rules():
+    env = make_env("examples.countdown_env:CountdownEnv")
+    assert env.solution() is None and env.rules() == []
+    task = env.sample_tasks("train", 1, seed=0)[0]
+    env.reset(task)
+    assert env.solution() == [task.spec["solution"]] and env.step(task.spec["solution"]).success
+    assert env.rules() and not any(c.isdigit() for rule in env.rules() for c in rule)

@@ -2,6 +2,7 @@
 deterministic, and hindsight/canonical symbols say the right things."""
 
 import random
+import re
 
 import pytest
 
@@ -60,12 +61,15 @@ def test_reset_states_the_room_and_goal():
                    "Your task is to: put a clean mug in cabinet 2.")
 
 
-def test_expert_plan_on_hand_made_task():
+def test_solution_on_hand_made_task():
     env = HouseholdEnv()
+    assert env.solution() is None  # before any reset
     env.reset(_task())
-    assert env._expert_plan() == ["go to cabinet 1", "open cabinet 1", "take mug 1 from cabinet 1",
-                                  "go to sinkbasin 1", "clean mug 1 with sinkbasin 1",
-                                  "go to cabinet 2", "open cabinet 2", "put mug 1 in/on cabinet 2"]
+    plan = ["go to cabinet 1", "open cabinet 1", "take mug 1 from cabinet 1", "go to sinkbasin 1",
+            "clean mug 1 with sinkbasin 1", "go to cabinet 2", "open cabinet 2", "put mug 1 in/on cabinet 2"]
+    assert env.solution() == plan
+    env.step("go to cabinet 1")
+    assert env.solution() == plan  # always from the task's start
 
 
 def test_observations_look_like_alfworld():
@@ -171,7 +175,7 @@ def test_pick_two_needs_both_objects_in_the_target():
     task = _task("pick_two_obj_and_place", text="put two mug in cabinet 2.", verb=None, count=2)
     task.spec["objects"].append({"name": "mug 2", "at": "countertop 1"})
     env.reset(task)
-    plan = env._expert_plan()
+    plan = env.solution()
     assert len(plan) == 10 and plan[-1] == "put mug 1 in/on cabinet 2"
     for action in plan[:-1]:
         assert not env.step(action).done
@@ -263,6 +267,24 @@ def test_reset_rebuilds_a_task_from_its_stored_row():
     env = HouseholdEnv()
     task = env.sample_tasks("heldout", 3, seed=2)[2]
     first = env.reset(task)
-    plan = env._expert_plan()
+    plan = env.solution()
     restored = TaskSpec.from_row(task.to_row())
-    assert env.reset(restored) == first and env._expert_plan() == plan
+    assert env.reset(restored) == first and env.solution() == plan
+
+
+def test_rules_follow_the_layout_and_name_nothing_of_the_task():
+    env = HouseholdEnv()
+    assert env.rules() == []
+    env.reset(_task())
+    assert env.rules() == [
+        "Clean the object with the sinkbasin while holding it, then put it in the target: putting it there before it "
+        "is cleaned does not count.",
+        "Objects can be inside closed receptacles: open a closed cabinet, drawer, fridge or microwave to see what is "
+        "in it.",
+        "Open a closed receptacle before putting anything in it.",
+        "Act only where you are: go to a receptacle before opening it, taking from it or putting into it; names "
+        "include their number."]
+    for task in env.sample_tasks("heldout", 60, seed=0):
+        env.reset(task)
+        text = " ".join(env.rules())
+        assert not re.search(r"[a-z]+ \d", text) and task.spec["goal"]["text"] not in text

@@ -79,6 +79,7 @@ def test_expert_solves_and_hindsight_has_the_gold_path():
         env.close()
 
 
+@pytest.mark.slow
 @needs_runtime
 def test_more_episodes_than_jvms_replay_to_the_same_results():
     """Three lockstep episodes on one JVM give exactly what three episodes in turn give."""
@@ -126,3 +127,24 @@ def test_refusals_never_reach_or_break_the_simulator():
         env.close()
     processes = [s.sim._gateway.java_process for s in _POOL.sims]
     assert processes == []
+
+
+@pytest.mark.slow
+@needs_runtime
+def test_solution_is_the_gold_path_without_ambiguity_choices_and_rules_name_the_family():
+    env = make_env("scienceworld", task_names=["find-plant", "mendelian-genetics-known-plant"], max_steps=200)
+    try:
+        assert env.task_types == ("find-plant", "mendelian-genetics-known-plant")
+        find, genetics = env.sample_tasks("train", 2, seed=0)
+        env.reset(find)
+        plan = env.solution()
+        assert plan == [a for a in env._gold() if not a.isdigit()]
+        for action in plan:
+            result = env.step(action)
+        assert result.done and result.success
+        assert env.rules()[0].startswith("Find a thing of the kind the task names")
+        env.reset(genetics)
+        assert any(a.isdigit() for a in env._gold()) and not any(a.isdigit() for a in env.solution())
+        assert env.rules()[0].startswith("Plant seeds of both parents")
+    finally:
+        env.close()

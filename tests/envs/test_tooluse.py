@@ -153,3 +153,40 @@ def test_canonicalize():
     assert env.canonicalize("calculator(1+1)") == "calculator<expression>"
     assert env.canonicalize('{"name": "answer", "arguments": {"value": 3}}') == "answer<value>"
     assert env.canonicalize("frobnicate(1)") == "invalid<>"
+
+
+def test_task_types_kwarg_is_the_instances_task_types():
+    assert ToolUseEnv(task_types=["calc", "compare"]).task_types == ("calc", "compare")
+    assert ToolUseEnv().task_types == TASK_TYPES
+
+
+def test_solution_and_rules():
+    env = ToolUseEnv()
+    assert env.solution() is None and env.rules() == []
+    env.reset(_task())
+    assert env.solution() == ['lookup(item="zorblet")', 'lookup(item="quimfen")',
+                              'calculator(expression="3 * 17 + 2 * 5")', "answer(value=61)"]
+    for action in env.solution():
+        result = env.step(action)
+    assert result.done and result.success
+    rules = " ".join(env.rules())
+    assert "lookup(item=...)" in rules and "answer(value=<integer>)" in rules
+    assert not any(word in rules for word in ("zorblet", "quimfen", "17", "61", "3 * 17"))
+
+
+TOOL_TEMPLATE = (  # a Hermes-style chat template that renders the schemas, as tool-calling models' templates do
+    "{%- if tools %}<tools>{{ '\\n' }}{% for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{% endfor %}"
+    "</tools>{{ '\\n' }}{%- endif %}"
+    "{%- for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ '\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{%- endif %}")
+
+
+def test_tools_are_rendered_by_a_tool_calling_chat_template():
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    tools = ToolUseEnv().tools()
+    rendered, _ = render_jinja_template([[{"role": "user", "content": "hi"}]], tools=tools,
+                                        chat_template=TOOL_TEMPLATE, add_generation_prompt=True)
+    lines = rendered[0].splitlines()
+    assert [json.loads(line) for line in lines[1:4]] == tools and lines[4] == "</tools>"
+    assert rendered[0].endswith("<|user|>hi\n<|assistant|>")
