@@ -49,6 +49,8 @@ class Attempt:
     n_turns: int
     max_turns: int
     error: str | None = None
+    solution: list[str] | None = None   # env.solution() right after reset(task): actions that solve it from the start
+    rules: list[str] = field(default_factory=list)   # env.rules() right after reset(task): no statement, no answer
 
 
 @dataclass
@@ -164,16 +166,41 @@ def knowledge_note_messages(a: Attempt) -> list[dict]:
     return [{"role": "system", "content": _NOTE_SYSTEM}, {"role": "user", "content": user}]
 
 
+_KIND_RULES = {  # the Rule where the env states none (Env.rules() is empty)
+    "invalid_action": "reply with exactly one action in the format the instructions give.",
+    "timeout": "head for the goal step by step and don't repeat actions that change nothing.",
+    "crash": "reply with exactly one action in the format the instructions give.",
+    "wrong_result": "check every condition of the task before the action that ends it.",
+}
+
+
+def _same_action(a: str, b: str) -> bool:
+    """Equal up to case, whitespace and a trailing period (as `methods.rollout.project_action` normalises)."""
+    return " ".join(a.lower().split()).rstrip(".") == " ".join(b.lower().split()).rstrip(".")
+
+
+def first_divergence(actions: list[str], solution: list[str]) -> int:
+    """The index of the attempt's first action that differs from the solution's action at the same
+    place; the attempt's length when all its actions follow the solution."""
+    for i, (act, planned) in enumerate(zip(actions, solution)):
+        if not _same_action(act, planned):
+            return i
+    return min(len(actions), len(solution))
+
+
 def template_note(a: Attempt, channel: str = "pitfall") -> str:
-    """A note assembled from the env's facts, without a model (the `template` writer, for models too
-    small to write usable notes). Pitfall: Error from the failure kind and feedback, Rule from the
-    hindsight facts, Example from the first step of the env's solution where it states one."""
-    facts = [h.strip() for h in a.hindsight if h.strip()]
-    solution = next((h for h in facts if re.match(r"^(A|An) \d+-step solution:", h)), None)
-    rules = [h for h in facts if h is not solution and not h.startswith("The task was")]
+    """A note assembled from the env's contract, without a model (the `template` writer, for models
+    too small to write usable notes).
+
+    Pitfall: Error from the failure kind and the first refused action; Rule from `a.rules` (the env's
+    `rules()`: at most three, no task statement or answer), else a generic rule for the failure kind;
+    Example: the solution's action where the attempt first left it (`first_divergence`), its first
+    action where the attempt followed it to the end; no Example line without a solution.
+    Knowledge: the env's first rule, with the successful attempt's own actions as Details.
+    The hindsight facts are never used: they may state the task and its answer."""
     if channel == "knowledge":
-        return (f"Knowledge: {rules[0] if rules else 'follow the task statement step by step.'}\n"
-                f"Details: {solution or '; '.join(a.actions)}")
+        knowledge = a.rules[0] if a.rules else "follow the task statement step by step."
+        return f"Knowledge: {knowledge}\nDetails: {'; '.join(a.actions) or '(no action)'}"
     kind = failure_kind(a)
     bad = [(act, fb) for act, fb, v in zip(a.actions, a.feedback, a.valid) if not v]
     if kind == "invalid_action" and bad:
@@ -184,8 +211,12 @@ def template_note(a: Attempt, channel: str = "pitfall") -> str:
         error = "the episode crashed."
     else:
         error = "the episode ended without completing the task."
-    example = solution.split(":", 1)[1].split(";")[0].strip() if solution else (rules[-1] if rules else "look")
-    return f"Error: {error}\nRule: {' '.join(rules[:3]) or 'check the task statement before acting.'}\nExample: {example}"
+    rule = " ".join(a.rules[:3]) or _KIND_RULES[kind]
+    note = f"Error: {error}\nRule: {rule}"
+    if a.solution:
+        at = first_divergence(a.actions, a.solution)
+        note += f"\nExample: {a.solution[at] if at < len(a.solution) else a.solution[0]}"
+    return note
 
 
 _LABELS = {"pitfall": ("error", "rule", "example"), "knowledge": ("knowledge", "rule", "details")}

@@ -1,18 +1,34 @@
 """SRD's plain-Python parts: failure kinds, note prompts, the template writer, note cleaning, and
 where the privileged text goes (the teacher's user turn only)."""
 
+import re
+
 import pytest
 
 from envs import make_env
 from methods.rollout import prompt_prefix, render_observation
-from methods.srd import (FORESIGHT_REQUEST, PRIVILEGED_HEADER, Attempt, Note, action_pair, clean_note, failure_kind,
-                         foresight_pair, knowledge_note_messages, pitfall_note_messages, template_note, with_privileged)
+from methods.srd import (
+    FORESIGHT_REQUEST,
+    PRIVILEGED_HEADER,
+    Attempt,
+    Note,
+    action_pair,
+    clean_note,
+    failure_kind,
+    first_divergence,
+    foresight_pair,
+    knowledge_note_messages,
+    pitfall_note_messages,
+    template_note,
+    with_privileged,
+)
 
 
-def household_attempt(actions, max_turns=8, status="failure", seed=2):
-    env = make_env("household", n_receptacles=2, n_distractors=1)
-    task = env.sample_tasks("train", 3, 0)[seed]
+def play_attempt(env, task, actions, max_turns=8, status="failure", with_contract=True):
+    """An Attempt of `actions` on `task`, played in `env`; with `with_contract`, the env's solution()
+    and rules() taken right after reset, as tasks/methods/srd.py does."""
     first = env.reset(task)
+    solution, rules = (env.solution(), env.rules()) if with_contract else (None, [])
     obs, valid, feedback = [], [], []
     for a in actions:
         r = env.step(a)
@@ -21,7 +37,13 @@ def household_attempt(actions, max_turns=8, status="failure", seed=2):
         feedback.append(r.info.get("feedback", "ok"))
     return Attempt(traj_id="r/t0", group_id="g0", task_id=task.task_id, task_text=first, actions=list(actions),
                    observations=obs[:-1], valid=valid, feedback=feedback, hindsight=env.hindsight(), success=False,
-                   status=status, n_turns=len(actions), max_turns=max_turns), env, task
+                   status=status, n_turns=len(actions), max_turns=max_turns, solution=solution, rules=rules)
+
+
+def household_attempt(actions, max_turns=8, status="failure", seed=2, with_contract=True):
+    env = make_env("household", n_receptacles=2, n_distractors=1)
+    task = env.sample_tasks("train", 3, 0)[seed]
+    return play_attempt(env, task, actions, max_turns, status, with_contract), env, task
 
 
 def test_failure_kinds():
@@ -46,19 +68,80 @@ def test_pitfall_prompt_carries_task_attempt_hindsight_kind_and_feedback():
     # the worked example comes first, as an earlier exchange in the note format
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
     assert msgs[2]["content"].startswith("Error:")
-    assert pitfall_note_messages(a, few_shot=False)[-1] == msgs[-1] and len(pitfall_note_messages(a, few_shot=False)) == 2
+    plain = pitfall_note_messages(a, few_shot=False)
+    assert plain[-1] == msgs[-1] and len(plain) == 2
     assert "successful attempt" in knowledge_note_messages(a)[-1]["content"]
 
 
-def test_template_writer_builds_a_usable_note_from_hindsight():
-    a, _, _ = household_attempt(["look", "inventory"], max_turns=2)
+def test_template_writer_builds_a_usable_note_from_the_env_contract():
+    a, env, _ = household_attempt(["look", "inventory"], max_turns=2)
     text = template_note(a)
     cleaned, usable = clean_note(text)
     assert usable and cleaned == text
-    assert text.startswith("Error: the turn limit (2) ran out")
-    solution = next(h for h in a.hindsight if "-step solution" in h)
-    assert text.splitlines()[-1] == "Example: " + solution.split(":", 1)[1].split(";")[0].strip()
-    assert "The task was" not in text
+    assert text.splitlines() == ["Error: the turn limit (2) ran out before the task was done.",
+                                 "Rule: " + " ".join(env.rules()[:3]),
+                                 "Example: " + env.solution()[0]]   # "look" already left the solution
+    assert not any(h in text for h in a.hindsight)   # hindsight may state the task and its answer: never used
+
+
+def test_template_writer_without_solution_or_rules_writes_a_generic_rule_and_no_example():
+    a, _, _ = household_attempt(["fly", "jump", "look"], with_contract=False)
+    text = template_note(a)
+    assert text.splitlines() == ['Error: 2 of 3 actions were not valid (e.g. "fly": unparseable).',
+                                 "Rule: reply with exactly one action in the format the instructions give."]
+    assert clean_note(text) == (text, True)
+    knowledge = template_note(a, "knowledge")
+    assert knowledge == "Knowledge: follow the task statement step by step.\nDetails: fly; jump; look"
+    assert clean_note(knowledge, "knowledge")[1]
+
+
+def test_first_divergence():
+    plan = ["go to desk 1", "take pen 1 from desk 1", "go to shelf 1"]
+    assert first_divergence(["Go to desk 1.", "take pen 2 from desk 1"], plan) == 1
+    assert first_divergence(["look"], plan) == 0
+    assert first_divergence(["go to desk 1"], plan) == 1            # followed it as far as it went
+    assert first_divergence(plan + ["look"], plan) == 3
+
+
+def _numbered_names(spec):
+    return [r["name"] for r in spec["receptacles"]] + [o["name"] for o in spec["objects"]] + \
+        [lamp["name"] for lamp in spec["lamps"]]
+
+
+# Per built-in env: a task, an attempt that follows the solution for `k` actions and then goes wrong
+# (by a function of the solution), the task's statement and the literal answers the Rule must not hold.
+CASES = {
+    "household": (("household", {"n_receptacles": 2, "n_distractors": 1}), 2, 2,
+                  lambda sol: sol[:2] + ["fly", "look"],
+                  lambda task, first: task.spec["goal"]["text"], lambda task: _numbered_names(task.spec)),
+    "arithmetic": (("arithmetic", {}), 2, 0, lambda sol: ["Answer: 1000003"],
+                   lambda task, first: task.spec["question"],
+                   lambda task: [str(task.spec["answer"])] + task.spec["steps"]),
+    "tooluse": (("tooluse", {}), 2, 1, lambda sol: sol[:1] + ["answer(value=1000003)"],
+                lambda task, first: task.spec["question"],
+                lambda task: [str(task.spec["answer"]), task.spec["expression"]]
+                + [str(task.spec["table"][i]) for i in task.spec["lookups"]]),
+    "countdown": (("examples.countdown_env:CountdownEnv", {}), 1, 0, lambda sol: ["1 + 1", "2 + 2"],
+                  lambda task, first: first, lambda task: [task.spec["solution"], str(task.spec["target"])]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_template_rule_holds_no_statement_or_answer_and_the_example_is_the_solutions_next_action(case):
+    (name, kwargs), task_index, k, attempt_of, statement_of, answers_of = CASES[case]
+    env = make_env(name, **kwargs)
+    task = env.sample_tasks("train", 3, 0)[task_index]
+    first = env.reset(task)
+    solution = env.solution()
+    a = play_attempt(env, task, attempt_of(solution))
+    assert a.solution == solution and a.rules
+    lines = template_note(a).splitlines()
+    rule = next(line for line in lines if line.startswith("Rule: "))
+    assert statement_of(task, first) not in rule
+    for answer in answers_of(task):
+        assert not re.search(rf"(?<![\w.]){re.escape(answer)}(?!\w)", rule), (answer, rule)
+    assert lines[-1] == f"Example: {solution[k]}"
+    assert clean_note("\n".join(lines))[1]
 
 
 def test_clean_note_keeps_labelled_blocks_and_flags_free_text():
