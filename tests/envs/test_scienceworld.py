@@ -80,7 +80,6 @@ def test_expert_solves_and_hindsight_has_the_gold_path():
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 @needs_runtime
 def test_more_episodes_than_jvms_replay_to_the_same_results():
     """Three lockstep episodes on one JVM give exactly what three episodes in turn give."""
