@@ -61,12 +61,11 @@ def play_model(cfg, tasks: list[TaskSpec]) -> list[bool]:
 
     from methods.rollout import Episode, run_episodes
     from models.backend import SamplingParams
-    from models.hf_backend import get_backend
     from models.loading import resolve_base_model
+    from tasks.common import backend_for
 
     path = resolve_base_model(cfg.model.base, Path(cfg.run.model_cache).expanduser())
-    backend = get_backend(path, max_batch_size=cfg.backend.max_batch_size, dtype=cfg.model.dtype,
-                          kv_reuse=cfg.backend.kv_reuse)
+    backend = backend_for(cfg, str(path))
     episodes = [Episode(traj_id=f"survey-{i}", task=t, group_id=t.task_id, sample_idx=0) for i, t in enumerate(tasks)]
     params = SamplingParams(max_new_tokens=cfg.backend.max_new_tokens, temperature=0.0, top_p=1.0, seed=cfg.gate.seed)
     run_episodes(lambda: make_env(cfg.env.name, **cfg.env.kwargs), episodes, backend, params, cfg.env.max_turns,

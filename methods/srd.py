@@ -12,7 +12,7 @@ Per group of rollouts of one task:
    (student), scored on the episode's own action tokens.
 
 This module builds prompts, classifies failures, writes template notes and assembles the
-teacher/student pairs; it never calls a model (tasks/srd.py does, through a backend).
+teacher/student pairs; it never calls a model (tasks/methods/srd.py does, through a backend).
 The privileged text only ever goes into the teacher's user turn, never into a system or
 assistant message and never into the student's prompt.
 """
@@ -104,7 +104,8 @@ def failure_kind(a: Attempt) -> str:
 def _attempt_text(a: Attempt, max_actions: int = 12) -> str:
     lines = []
     steps = list(zip(a.actions, a.feedback))
-    shown = steps if len(steps) <= max_actions else steps[: max_actions // 2] + [("...", "")] + steps[-max_actions // 2:]
+    shown = steps if len(steps) <= max_actions else (
+        steps[: max_actions // 2] + [("...", "")] + steps[-max_actions // 2:])
     for i, (act, fb) in enumerate(shown, 1):
         lines.append(f"{i}. {act}" + (f"  [{fb}]" if fb and fb != "ok" else ""))
     return "\n".join(lines) or "(no action)"
@@ -134,10 +135,12 @@ def _pitfall_request(task: str, attempt: str, kind: str, feedback: str, facts: l
 # One worked exchange shown before the real request (few-shot), so that small policies answer in
 # the note format at all. Its task is deliberately unlike any built-in env's.
 _PITFALL_DEMO = (
-    _pitfall_request("You are in a workshop. You see a toolbox 1 and a bench 1.\nYour task is to: put a sharp saw on bench 1.",
+    _pitfall_request("You are in a workshop. You see a toolbox 1 and a bench 1.\n"
+                     "Your task is to: put a sharp saw on bench 1.",
                      "1. go to bench 1\n2. put saw 1 in/on bench 1  [inadmissible]\n3. look", "invalid_action",
                      '"put saw 1 in/on bench 1" -> You are not carrying saw 1.',
-                     ["saw 1 was in toolbox 1 (closed) at the start.", "The saw must be sharpened with grinder 1 first."]),
+                     ["saw 1 was in toolbox 1 (closed) at the start.",
+                      "The saw must be sharpened with grinder 1 first."]),
     "Error: I tried to put the saw down without holding it.\nRule: find and take the object before placing it; "
     "open closed containers to find it.\nExample: open toolbox 1\n\n"
     "Error: the saw was never sharpened.\nRule: do every step the task names (sharpen) before placing.\n"

@@ -38,22 +38,22 @@ from tasks.methods.base import Contribution, DistillContext, Method
 log = logging.getLogger(__name__)
 
 
-def _task_facts(cfg: Config, specs: dict[str, TaskSpec]) -> tuple[dict[str, str], dict[str, list[str] | None], str]:
-    """Each task's first observation and the env's solution from its start (the env resets it again:
-    cheap and exact), and the env's instructions."""
+def _task_facts(cfg: Config, specs: dict[str, TaskSpec]) -> tuple[dict[str, str], dict[str, dict], str]:
+    """Each task's first observation, the env's solution from its start and its rules for such tasks (the
+    env resets the task again: cheap and exact), and the env's instructions."""
     env = env_factory(cfg)()
     try:
-        texts, solutions = {}, {}
+        texts, facts = {}, {}
         for tid, spec in specs.items():
             texts[tid] = env.reset(spec)
-            solutions[tid] = env.solution()
-        return texts, solutions, env.instructions()
+            facts[tid] = {"solution": env.solution(), "rules": env.rules()}
+        return texts, facts, env.instructions()
     finally:
         env.close()
 
 
 def _attempts(cfg: Config, turns: list[dict], trajs: list[dict], task_text: dict[str, str],
-              solutions: dict[str, list[str] | None]) -> list[Attempt]:
+              facts: dict[str, dict]) -> list[Attempt]:
     by_traj: dict[str, list[dict]] = defaultdict(list)
     for t in turns:
         by_traj[t["traj_id"]].append(t)
@@ -67,7 +67,7 @@ def _attempts(cfg: Config, turns: list[dict], trajs: list[dict], task_text: dict
             observations=[env_observation(x["observation"]) for x in ts[1:]],
             valid=[bool(x["valid"]) for x in ts], feedback=[x["feedback"] or "ok" for x in ts],
             hindsight=list(hindsight), success=bool(t["success"]), status=t["status"], n_turns=len(ts),
-            max_turns=cfg.env.max_turns, error=t["error"], solution=solutions.get(t["task_id"])))
+            max_turns=cfg.env.max_turns, error=t["error"], **facts[t["task_id"]]))
     return out
 
 
@@ -93,8 +93,8 @@ def _srd_rows(ctx: DistillContext, inputs: dict) -> dict:
     cfg, round, trajs, champion = ctx.cfg, ctx.round, ctx.trajectories, ctx.champion
     scfg = cfg.distill.srd
     specs = {r["task_id"]: TaskSpec.from_row(r) for r in inputs["tasks"]}
-    task_text, solutions, instructions = _task_facts(cfg, specs)
-    attempts = _attempts(cfg, inputs["turns"], trajs, task_text, solutions)
+    task_text, facts, instructions = _task_facts(cfg, specs)
+    attempts = _attempts(cfg, inputs["turns"], trajs, task_text, facts)
     by_group: dict[str, list[Attempt]] = defaultdict(list)
     for a in attempts:
         by_group[a.group_id].append(a)

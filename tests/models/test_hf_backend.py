@@ -146,8 +146,10 @@ def test_stop_string_inside_a_token_keeps_that_token(backend):
 
 def test_eos_ends_a_row_with_stop_and_is_not_kept(backend):
     eos = backend.tokenizer.eos_token_id
-    g = backend._finish_row([11, 12, eos, eos, eos], [-1.0, -2.0, -3.0, -4.0, -5.0], (), prompt_tokens=9)
+    g = backend._finish_row([11, 12, eos, eos, eos], [-1.0, -2.0, -3.0, -4.0, -5.0], [-0.5, -1.5, -2.5, -3.5, -4.5],
+                            (), prompt_tokens=9)
     assert (g.token_ids, g.logprobs, g.finish_reason, g.prompt_tokens) == ([11, 12], [-1.0, -2.0], "stop", 9)
+    assert g.temp_logprobs == [-0.5, -1.5]
     assert g.text == backend.tokenizer.decode([11, 12])
 
 
@@ -205,3 +207,16 @@ def test_tools_reach_the_chat_template(tiny_path):
     backend.tokenizer.chat_template = ("{% if tools %}TOOLS: {{ tools | tojson }}\n{% endif %}"
                                        + backend.tokenizer.chat_template)
     assert backend.generate(CONVERSATIONS[:1], GREEDY, tools=tools)[0].prompt_tokens > plain + 10
+
+
+def test_temperature_only_logprobs_differ_from_sampling_ones_only_under_top_p(backend):
+    """temp_logprobs are log-softmax(logits / T) at the sampled token: equal to the sampling logprobs without top-p
+    truncation, and no larger than them with it (truncation renormalises the kept mass upwards)."""
+    for params, equal in ((SamplingParams(max_new_tokens=6, temperature=0.7, top_p=1.0, seed=1), True),
+                          (SamplingParams(max_new_tokens=6, temperature=0.7, top_p=0.5, seed=1), False)):
+        for g in backend.generate(CONVERSATIONS[:3], params):
+            assert len(g.temp_logprobs) == len(g.logprobs) == len(g.token_ids)
+            if equal:
+                assert g.temp_logprobs == pytest.approx(g.logprobs, abs=1e-5)
+            else:
+                assert all(t <= s + 1e-6 for t, s in zip(g.temp_logprobs, g.logprobs))

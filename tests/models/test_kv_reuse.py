@@ -41,6 +41,7 @@ def _assert_same(expected, got, tol=1e-4):
     assert [g.prompt_tokens for g in got] == [g.prompt_tokens for g in expected]
     for a, b in zip(expected, got):
         assert b.logprobs == pytest.approx(a.logprobs, abs=tol)
+        assert b.temp_logprobs == pytest.approx(a.temp_logprobs, abs=tol) and len(b.temp_logprobs) == len(b.token_ids)
 
 
 def test_greedy_multi_turn_equals_plain_and_reuses_the_history(plain, reusing):
