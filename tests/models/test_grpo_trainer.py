@@ -22,8 +22,9 @@ def episodes(path, dtype="float32", n_tasks=2, group=2, turns=3):
     env = HouseholdEnv(n_receptacles=2, n_distractors=1)
     eps = [Episode(traj_id=f"t{i}-{g}", task=t, group_id=f"g{i}", sample_idx=g)
            for i, t in enumerate(env.sample_tasks("train", n_tasks, 0)) for g in range(group)]
+    # no few-shot turns: shorter sequences, the same structure (prompt, then actions between observations)
     return run_episodes(lambda: HouseholdEnv(n_receptacles=2, n_distractors=1), eps, HFBackend(path, dtype=dtype),
-                        SAMPLING, max_turns=turns)
+                        SAMPLING, max_turns=turns, few_shot=False)
 
 
 def pg_rows(eps, advantages=None):

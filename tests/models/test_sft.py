@@ -15,11 +15,11 @@ from models.losses import weighted_token_ce
 from models.trainer import train_candidate
 
 
-def expert_conversation(seed: int):
+def expert_conversation(seed: int, few_shot: bool = True):
     """A solved household episode by the scripted expert, as the runner would present it."""
     env = make_env("household")
     task = env.sample_tasks("train", 1, seed)[0]
-    prefix = prompt_prefix(env)
+    prefix = prompt_prefix(env, few_shot=few_shot)
     first = render_observation(env.reset(task), env.admissible_actions(), True)
     msgs = list(prefix) + [{"role": "user", "content": first}]
     while True:
@@ -86,13 +86,13 @@ def test_weighted_loss_scales_with_example_weight(tiny_path):
 
 def test_train_sft_learns_expert_actions(tiny_path, tmp_path):
     examples = []
-    for seed in range(6):
-        msgs, tf = expert_conversation(seed)
+    for seed in range(4):
+        msgs, tf = expert_conversation(seed, few_shot=False)  # shorter rows; the same labelled actions
         examples.append({"example_id": f"e{seed}", "kind": "sft", "messages": msgs, "weight": 1.0, "train_from": tf})
-    cfg = TrainConfig(learning_rate=3e-3, epochs=4, batch_size=3)
+    cfg = TrainConfig(learning_rate=3e-3, epochs=3, batch_size=2)
     metrics, used = train_candidate(tiny_path, examples, tmp_path / "cand", cfg, seed=0)
-    assert used == [f"e{s}" for s in range(6)] or sorted(used) == sorted(f"e{s}" for s in range(6))
-    assert metrics["steps"] == 8 and metrics["trained_tokens"] > 0
+    assert sorted(used) == sorted(f"e{s}" for s in range(4))
+    assert metrics["steps"] == 6 and metrics["trained_tokens"] > 0
     assert math.isfinite(metrics["train_loss"]) and metrics["last_loss"] < metrics["first_loss"]
     model, _ = load_model_and_tokenizer(tmp_path / "cand")      # a loadable full checkpoint
     assert sum(p.numel() for p in model.parameters()) > 0
