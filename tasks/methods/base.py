@@ -53,6 +53,11 @@ class DistillContext:
         return self._backend
 
 
+def num(value, spec: str) -> str:
+    """A figure for a report table: formatted with `spec`, or "-" when missing."""
+    return format(value, spec) if value is not None else "-"
+
+
 class Method:
     """One method's contributions to a round. Subclass it, set `name` (and `tables` if it writes its
     own), implement `distill`; override the rest where the defaults don't fit."""

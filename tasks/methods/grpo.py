@@ -14,7 +14,7 @@ from statistics import mean
 
 from methods.groups import group_counts, group_stats
 from methods.grpo import trajectory_advantages
-from tasks.methods.base import Contribution, DistillContext, Method
+from tasks.methods.base import Contribution, DistillContext, Method, num
 
 
 class GRPO(Method):
@@ -76,9 +76,6 @@ class GRPO(Method):
         rows = [r for r in rounds if r.get("grpo")]
         if not rows:
             return []
-
-        def num(v, fmt):
-            return format(v, fmt) if v is not None else "-"
 
         lines = ["GRPO per round (groups fail/pass/mixed; rows trained with a non-zero advantage; mismatch: mean "
                  "|Δ logprob| sampler vs trainer, estimated KL(sampler ‖ trainer), share of tokens capped):", "",

@@ -33,7 +33,7 @@ from methods.srd import (
 )
 from models.backend import SamplingParams
 from tasks.common import env_factory, round_seed
-from tasks.methods.base import Contribution, DistillContext, Method
+from tasks.methods.base import Contribution, DistillContext, Method, num
 
 log = logging.getLogger(__name__)
 
@@ -267,9 +267,6 @@ class SRD(Method):
         rows = [r for r in rounds if r.get("srd")]
         if not rows:
             return []
-
-        def num(v, fmt):
-            return format(v, fmt) if v is not None else "-"
 
         lines = ["SRD per round (notes: written / usable, by which writer; signal: groups that produced a "
                  "teacher/student pair; D: mean distillation loss over training steps):", "",

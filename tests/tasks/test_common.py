@@ -7,18 +7,23 @@ from configs.schema import load_config
 from tests.conftest import TINY
 
 
-def test_backend_for_opens_the_configured_kind_with_its_options_and_trust_remote_code(monkeypatch, tiny_path):
-    import models.hf_backend as hb
-    from tasks.common import backend_for
-
-    seen = {}
-    real = hb.load_model_and_tokenizer
+def spy_on_loader(monkeypatch, module) -> dict:
+    """Record the trust_remote_code that `module` passes to load_model_and_tokenizer (the real load still runs)."""
+    seen, real = {}, module.load_model_and_tokenizer
 
     def spy(path, dtype="float32", trust_remote_code=False):
         seen["trust_remote_code"] = trust_remote_code
         return real(path, dtype=dtype)
 
-    monkeypatch.setattr(hb, "load_model_and_tokenizer", spy)
+    monkeypatch.setattr(module, "load_model_and_tokenizer", spy)
+    return seen
+
+
+def test_backend_for_opens_the_configured_kind_with_its_options_and_trust_remote_code(monkeypatch, tiny_path):
+    import models.hf_backend as hb
+    from tasks.common import backend_for
+
+    seen = spy_on_loader(monkeypatch, hb)
     hb.clear_backends()
     try:
         cfg = load_config([TINY], ["model.trust_remote_code=true", "backend.hf.max_batch_size=3"])
@@ -32,14 +37,7 @@ def test_backend_for_opens_the_configured_kind_with_its_options_and_trust_remote
 def test_the_trainer_passes_trust_remote_code(monkeypatch, tiny_path, tmp_path):
     import models.trainer as trainer
 
-    seen = {}
-    real = trainer.load_model_and_tokenizer
-
-    def spy(path, dtype="float32", trust_remote_code=False):
-        seen["trust_remote_code"] = trust_remote_code
-        return real(path, dtype=dtype)
-
-    monkeypatch.setattr(trainer, "load_model_and_tokenizer", spy)
+    seen = spy_on_loader(monkeypatch, trainer)
     cfg = load_config([TINY])
     trainer.train_candidate(tiny_path, [], tmp_path / "c", cfg.train, trust_remote_code=True)
     assert seen == {"trust_remote_code": True}
