@@ -29,6 +29,15 @@ def _one_loss(methods, kind: str):
     return next(iter(losses.values()), None)
 
 
+def _skip(cfg: Config, round: int, started, metrics: dict, why: str) -> dict:
+    """Nothing to learn from: a candidate would be a copy of the champion. None is registered, and the gate
+    records a 'skip'."""
+    with open_store(cfg) as store, store.step(cfg.run.name, round, "train", started):
+        pass
+    get_run_logger().info("round %d train: skipped, %s", round, why)
+    return {**metrics, "skipped": why}
+
+
 @task(name="train", cache_policy=NONE)
 def train_candidate(cfg: Config, round: int) -> dict:
     started = utcnow()
@@ -49,13 +58,7 @@ def train_candidate(cfg: Config, round: int) -> dict:
     if out_dir.exists():  # a rerun after a crash: train again from the champion
         shutil.rmtree(out_dir)
     if not rows:
-        # Nothing to learn from: a candidate would be a copy of the champion. None is trained or
-        # registered, and the gate records a 'skip'.
-        with open_store(cfg) as store, store.step(run_id, round, "train", started):
-            pass
-        metrics = {"examples": 0, "skipped": "no training examples this round"}
-        get_run_logger().info("round %d train: skipped, no training examples", round)
-        return metrics
+        return _skip(cfg, round, started, {"examples": 0}, "no training examples this round")
     bar = tqdm(desc=f"round {round} train", unit="step", leave=False)
 
     def on_step(step: int, total: int) -> None:
@@ -69,6 +72,9 @@ def train_candidate(cfg: Config, round: int) -> dict:
                                   trust_remote_code=cfg.model.trust_remote_code)
     finally:
         bar.close()
+    if not used_ids:  # e.g. every GRPO group was uniform: the candidate would be a copy of the champion
+        shutil.rmtree(out_dir)
+        return _skip(cfg, round, started, metrics, "no row of this round could be trained on")
     cid = candidate_id(cfg, round)
     with open_store(cfg) as store, store.step(run_id, round, "train", started) as tx:
         tx.insert("models", [{"model_id": cid, "parent_id": champion, "path": str(out_dir), "role": "candidate",

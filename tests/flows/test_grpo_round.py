@@ -19,7 +19,8 @@ class CoinEnv(Env):
     name = "coin"
     task_types = ("coin",)
 
-    def __init__(self):
+    def __init__(self, always: bool = False):
+        self.always = always  # every reply wins: every group is uniform
         self._task, self._done, self._success = None, False, False
 
     def sample_tasks(self, split: str, n: int, seed: int) -> list[TaskSpec]:
@@ -34,7 +35,7 @@ class CoinEnv(Env):
         guard = step_guard(self._task, self._done, self._success)
         if guard:
             return guard
-        self._done, self._success = True, len(action) % 2 == 0
+        self._done, self._success = True, self.always or len(action) % 2 == 0
         return StepResult("Done.", float(self._success), True, self._success, {"valid": True, "feedback": "ok"})
 
     def hindsight(self) -> list[str]:
@@ -88,3 +89,24 @@ def test_grpo_round_on_mixed_groups(tmp_path, prefect_api):
     con.close()
     report = (tmp_path / "runs" / "tiny" / "report" / "report.md").read_text()
     assert "GRPO per round" in report
+
+
+@pytest.mark.slow
+def test_a_round_of_uniform_groups_trains_no_candidate(tmp_path, prefect_api):
+    """Every group all-pass: every advantage is 0, nothing can be trained, so no candidate (a copy of the
+    champion) is registered or gated: the gate records a skip, the rows are still stored and counted."""
+    from flows.round import improvement_round
+
+    overrides = tiny_overrides(tmp_path, "env.name=tests.flows.test_grpo_round:CoinEnv", "env.kwargs={always: true}",
+                               "env.max_turns=1", "env.show_admissible=false", "env.project_actions=false",
+                               "distill.methods=[grpo]")
+    result = improvement_round([TINY], overrides)
+    assert "no row of this round could be trained on" in result["results"]["train"]["skipped"]
+    assert result["results"]["train"]["pg_skipped_zero_advantage"] == 8
+    con = duckdb.connect(str(tmp_path / "store.duckdb"), read_only=True)
+    assert con.execute("SELECT decision FROM gate_decisions").fetchall() == [("skip",)]
+    assert con.execute("SELECT count(*) FROM models").fetchall() == [(1,)]
+    assert con.execute("SELECT count(*) FROM examples WHERE method = 'grpo'").fetchall() == [(8,)]
+    (metrics,), = con.execute("SELECT metrics FROM rounds WHERE round = 1").fetchall()
+    assert json.loads(metrics)["grpo"]["all_pass"] == 4
+    con.close()
