@@ -15,9 +15,9 @@ def _state(path):
     return model.state_dict()
 
 
-def test_tiny_model_is_deterministic_in_seed(tiny_path, tmp_path):
-    again = resolve_base_model("tiny:0", tmp_path)
-    other = resolve_base_model("tiny:1", tmp_path)
+def test_tiny_model_is_deterministic_in_seed(tiny_path, tmp_path, model_cache):
+    again = resolve_base_model("tiny:0", tmp_path)        # built anew: the same weights as the cached one
+    other = resolve_base_model("tiny:1", model_cache)
     a, b, c = _state(tiny_path), _state(again), _state(other)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
