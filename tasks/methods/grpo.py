@@ -57,6 +57,7 @@ class GRPO(Method):
         from models.trainer import PolicyLoss
 
         c = self.cfg.distill.grpo
+        # Greedy rollouts (temperature 0) were scored from the raw logits: the trainer's temperature is then 1.
         return PolicyLoss(loss_type=c.loss_type, epsilon=c.epsilon, epsilon_high=c.epsilon_high, beta=c.beta,
                           passes=c.passes, temperature=self.cfg.backend.temperature or 1.0,
                           correction=Correction(c.correction, c.tis_cap, c.cis_lambda, c.cis_kappa),
