@@ -234,11 +234,29 @@ TEMP_LOGPROBS = """
 ALTER TABLE turns ADD COLUMN temp_logprobs FLOAT[];
 """
 
+# One row per run while a round of it executes: who holds the run (one round at a time, whatever
+# started it) and until when. The holder renews `expires_at` with heartbeats; a lease past its
+# `expires_at`, or one whose process on the same host is gone, may be taken over.
+LEASES = """
+CREATE TABLE leases (
+    run_id        VARCHAR PRIMARY KEY,
+    holder        VARCHAR NOT NULL,   -- '<host>:<pid>:<token>': one process (and context) holding the run
+    host          VARCHAR,
+    pid           INTEGER,
+    flow_run_id   VARCHAR,            -- the Prefect flow run executing under the lease, when there is one
+    flow_run_name VARCHAR,
+    acquired_at   TIMESTAMP,
+    heartbeat_at  TIMESTAMP,
+    expires_at    TIMESTAMP
+);
+"""
+
 MIGRATIONS: list[tuple[int, str, str]] = [
     (1, "initial schema", INITIAL_SCHEMA),
     (2, "SRD notes and foresight pairs", SRD_TABLES),
     (3, "per-step metrics (each method's figures of the distill step)", STEP_METRICS),
     (4, "sampled tokens' logprobs after temperature only (mismatch correction)", TEMP_LOGPROBS),
+    (5, "run leases: one round of a run at a time", LEASES),
 ]
 
 

@@ -17,11 +17,12 @@ the step failed). A process killed mid-step leaves the file as of the last commi
 """
 
 import json
+import os
 import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,25 @@ def _json_text(value: Any) -> str | None:
 
 def _is_lock_error(err: duckdb.Error) -> bool:
     return isinstance(err, duckdb.IOException) and "lock" in str(err).lower()
+
+
+def _rollback_quietly(con: duckdb.DuckDBPyConnection) -> None:
+    """Roll back after a failed statement or commit (a failed commit may have ended the transaction already)."""
+    try:
+        con.rollback()
+    except duckdb.TransactionException:
+        pass
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists on this host (one of another user counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class StepWriter:
@@ -363,6 +383,69 @@ class Store:
                 params=[run_id],
             ).fetchall()
         return rows[0][0] if rows else None
+
+    # ---- run leases: one round of a run at a time --------------------------------------------
+
+    def lease(self, run_id: str) -> dict | None:
+        """The run's lease row (holder, host, pid, flow_run_id, flow_run_name, acquired_at, heartbeat_at,
+        expires_at), or None when nobody holds the run."""
+        rows = self.rows("SELECT * FROM leases WHERE run_id = ?", [run_id])
+        return rows[0] if rows else None
+
+    def acquire_lease(self, run_id: str, holder: str, ttl_s: float, host: str, pid: int,
+                      flow_run_id: str | None = None, flow_run_name: str | None = None) -> tuple[dict, dict | None]:
+        """Try to take the run's lease for `holder` (the process `pid` on `host`) for `ttl_s` seconds, in one
+        transaction. Returns (the lease row as it now stands, the row that was replaced or None).
+
+        The lease is taken when nobody holds it, when `holder` holds it already (renewed, acquired_at kept),
+        when it expired (its holder stopped heartbeating: crashed, or cut off), or at once when its holder is
+        another process on this host that no longer exists. Otherwise the row is left alone: the caller holds
+        the lease only if the returned row's holder is `holder`. Two connections of one process racing for a
+        free lease: DuckDB aborts the later writer, which tries again and then sees the winner's row.
+        """
+        con = self._con
+        for attempt in range(50):
+            now = _utcnow()
+            con.begin()
+            try:
+                row = self.lease(run_id)
+                ours = row is not None and row["holder"] == holder
+                free = (row is None or ours or row["expires_at"] <= now
+                        or (row["host"] == host and row["pid"] != pid and not _pid_alive(row["pid"])))
+                if free:
+                    con.execute(
+                        "INSERT OR REPLACE INTO leases (run_id, holder, host, pid, flow_run_id, flow_run_name,"
+                        " acquired_at, heartbeat_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        [run_id, holder, host, pid, flow_run_id, flow_run_name,
+                         row["acquired_at"] if ours else now, now, now + timedelta(seconds=ttl_s)],
+                    )
+                con.commit()
+            except (duckdb.TransactionException, duckdb.ConstraintException):
+                # another connection of this process wrote the row first; read it once it has committed
+                _rollback_quietly(con)
+                time.sleep(0.01 * (attempt + 1))
+                continue
+            except BaseException:
+                _rollback_quietly(con)
+                raise
+            return self.lease(run_id), (row if free and row is not None and not ours else None)
+        raise RuntimeError(f"could not read or take the lease of run {run_id!r}: 50 write conflicts in a row")
+
+    def heartbeat_lease(self, run_id: str, holder: str, ttl_s: float, flow_run_id: str | None = None,
+                        flow_run_name: str | None = None) -> bool:
+        """Renew `holder`'s lease for `ttl_s` seconds from now (and record the flow run now executing under it,
+        when given); False when `holder` no longer holds the run (it was taken over)."""
+        now = _utcnow()
+        return bool(self._con.execute(
+            "UPDATE leases SET heartbeat_at = ?, expires_at = ?, flow_run_id = coalesce(?, flow_run_id),"
+            " flow_run_name = coalesce(?, flow_run_name) WHERE run_id = ? AND holder = ?",
+            [now, now + timedelta(seconds=ttl_s), flow_run_id, flow_run_name, run_id, holder],
+        ).fetchall()[0][0])
+
+    def release_lease(self, run_id: str, holder: str) -> bool:
+        """Give the run's lease back; False when `holder` did not hold it (any more)."""
+        return bool(self._con.execute(
+            "DELETE FROM leases WHERE run_id = ? AND holder = ?", [run_id, holder]).fetchall()[0][0])
 
     # ---- export ---------------------------------------------------------------------------
 
