@@ -220,17 +220,40 @@ class TrainConfig(_Section):
 
 class GateConfig(_Section):
     heldout_tasks: int = Field(24, ge=1, description="Held-out tasks both candidate and champion play (same tasks, "
-        "same seeds every round).")
+        "same seeds every round); with max_heldout_tasks, the size of the first look.")
     seed: int = Field(1234, description="Seed of the held-out task sample and of evaluation sampling.")
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature for evaluation (0 = greedy: repeatable).")
-    rule: Literal["no_worse", "better", "always"] = Field(
-        "no_worse",
-        description="Promotion rule. no_worse: promote unless the candidate's Wilson upper bound is below the "
-        "champion's success rate (worse beyond the interval). better: promote only if the candidate's lower bound "
-        "is above it. "
-        "always: promote every candidate.",
+    rule: Literal["paired_test", "paired_margin", "no_worse", "better", "always"] = Field(
+        "paired_test",
+        description="Promotion rule, on the paired outcomes (same tasks, same seeds). paired_test (default): "
+        "one-sided exact sign test on the tasks only one model solved; promote only if the candidate is better at "
+        "level alpha, so a candidate no better than the champion is promoted at most alpha of the time and noise "
+        "cannot walk the champion downhill. paired_margin: promote if wins - losses >= margin (no stated error "
+        "rate). no_worse: promote unless the candidate's Wilson upper bound is below the champion's success rate "
+        "(it promotes 0/24 over 3/24 and most slightly worse candidates: it drifts down). better: promote only if "
+        "the candidate's lower bound is above it. always: promote every candidate.",
     )
-    confidence: float = Field(0.95, gt=0.5, lt=1.0, description="Confidence level of the Wilson intervals.")
+    alpha: float = Field(0.05, gt=0.0, lt=0.5, description="paired_test: the most often a candidate no better than "
+        "the champion may be promoted (one-sided level), over all looks together.")
+    margin: int = Field(2, ge=1, description="paired_margin: wins - losses (tasks only the candidate solved minus "
+        "tasks only the champion solved) needed to promote.")
+    max_heldout_tasks: int | None = Field(None, ge=1, description="paired_test: grow the held-out sample while the "
+        "result is inconclusive (the candidate ahead, not yet significant), by heldout_tasks at a time, up to this "
+        "many tasks; each look tests at alpha / looks (Bonferroni). null = no growth (the default: the gate's cost "
+        "stays fixed, and an env with a fixed held-out pool must not be asked for more tasks than it has).")
+    confidence: float = Field(0.95, gt=0.5, lt=1.0, description="Confidence level of the Wilson intervals "
+        "(reported for every rule; no_worse and better decide on them).")
+
+    @model_validator(mode="after")
+    def _growth_needs_paired_test(self) -> GateConfig:
+        if self.max_heldout_tasks is not None:
+            if self.max_heldout_tasks < self.heldout_tasks:
+                raise ValueError(f"gate.max_heldout_tasks ({self.max_heldout_tasks}) is below gate.heldout_tasks "
+                                 f"({self.heldout_tasks}): the sample can only grow")
+            if self.rule != "paired_test":
+                raise ValueError(f"gate.max_heldout_tasks grows the sample for rule paired_test only, not "
+                                 f"{self.rule!r}: set gate.rule=paired_test or gate.max_heldout_tasks=null")
+        return self
 
 
 class PrefectConfig(_Section):

@@ -1,4 +1,7 @@
-"""Success statistics for the gate: Wilson intervals, paired differences, the promotion rule."""
+"""Success statistics for the gate: Wilson intervals, the paired comparison, the interval-based rules.
+
+The paired rules (paired_test, paired_margin) and the sequential procedure are in methods/gating.py.
+"""
 
 from __future__ import annotations
 
@@ -61,7 +64,7 @@ def compare(candidate: list[bool], champion: list[bool], rule: str, confidence: 
 
 
 def should_promote(ev: GateEvidence) -> bool:
-    """The promotion rule (config `gate.rule`), applied to the evidence.
+    """The interval-based promotion rules (config `gate.rule`), applied to the evidence.
 
     no_worse: promote unless the candidate is worse beyond its interval
               (its Wilson upper bound lies below the champion's success rate);

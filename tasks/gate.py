@@ -1,105 +1,158 @@
 """gate: candidate and champion play the same held-out tasks with the same seeds; the config's
-promotion rule decides; the decision and its evidence are recorded either way. A round that
+promotion rule decides on the paired outcomes (methods/gating.py); the decision and its evidence
+are recorded either way, and a Prefect event `rsiflow.gate.<decision>` is emitted. A round that
 trained no candidate (no examples) records a 'skip'; the champion stays.
 
-The champion's held-out results are reused when the store already has them for exactly these
-tasks (it played them as the previous round's candidate, or as the base in round 1): the same
-model on the same tasks with the same seeds, so playing again would only cost time.
+With `gate.max_heldout_tasks` the sample grows look by look (n0, 2·n0, ... the maximum) while the
+paired test is inconclusive; each look plays only the tasks it adds. The held-out sample is drawn
+once at its largest size and every look takes its first n tasks, so a smaller sample is always the
+start of a larger one.
+
+The champion's held-out results are reused task by task when the store already has them (it
+played them as the previous round's candidate, or as the base in round 1): the same model on the
+same task with the same seed. At `gate.temperature: 0` (greedy) a result does not depend on which
+batch it was played in; with sampling it does (the backend seeds each batched call).
 """
 
 from __future__ import annotations
 
+import logging
+
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
+from prefect.events import emit_event
 
 from configs.schema import Config
 from envs.base import TaskSpec
+from methods.gating import Rule, look_sizes, sequential_decision
 from methods.rollout import Episode
-from methods.stats import compare, should_promote
 from tasks.common import backend_for, env_factory, episode_rows, open_store, play, utcnow
 from tasks.evaluate import success_rows
 from tasks.train import candidate_id
 
 
 def heldout_tasks(cfg: Config) -> list[TaskSpec]:
+    """The held-out sample at its largest size (the last look's); a look of n tasks plays its first n."""
     env = env_factory(cfg)()
     try:
-        return env.sample_tasks("heldout", cfg.gate.heldout_tasks, cfg.gate.seed)
+        return env.sample_tasks("heldout", look_sizes(cfg.gate.heldout_tasks, cfg.gate.max_heldout_tasks)[-1],
+                                cfg.gate.seed)
     finally:
         env.close()
 
 
-def _stored_results(store, run_id: str, model_id: str, task_ids: list[str]) -> dict[str, dict] | None:
-    """This model's stored held-out trajectories for these tasks (one per task), or None if any is missing."""
-    found: dict[str, dict] = {}
+def _stored_results(store, run_id: str, model_id: str, task_ids: list[str]) -> dict[str, dict]:
+    """This model's newest stored held-out trajectory for each of these tasks it has played."""
+    wanted, found = set(task_ids), {}
     for r in store.eval_trajectories(run_id, model_id):
-        found.setdefault(r["task_id"], r)
-    return found if all(t in found for t in task_ids) else None
+        if r["task_id"] in wanted:
+            found.setdefault(r["task_id"], r)
+    return found
+
+
+def gate_event(run_id: str, round: int, decision: str, candidate: str | None, champion: str,
+               new_champion: str, payload: dict) -> dict:
+    """The keyword arguments of `emit_event` for one gate decision: the event `rsiflow.gate.<decision>`
+    about the resource `rsiflow.run.<run>`, the models as related resources, the figures as payload."""
+    related = [{"prefect.resource.id": f"rsiflow.model.{mid}", "prefect.resource.role": role,
+                "prefect.resource.name": mid}
+               for mid, role in ((candidate, "candidate"), (champion, "champion")) if mid is not None]
+    return {"event": f"rsiflow.gate.{decision}",
+            "resource": {"prefect.resource.id": f"rsiflow.run.{run_id}", "prefect.resource.name": run_id},
+            "related": related,
+            "payload": {"run": run_id, "round": round, "decision": decision, "candidate_id": candidate,
+                        "champion_id": champion, "new_champion_id": new_champion, **payload}}
+
+
+def emit_gate_event(event: dict, logger: logging.Logger | logging.LoggerAdapter) -> None:
+    """Send the event, best-effort: the decision is already stored, so a failure to send is logged
+    with its cause and never fails the step."""
+    try:
+        emit_event(**event)
+    except Exception as error:  # any failure to notify must leave the recorded decision standing
+        logger.warning("could not emit the Prefect event %s: %s: %s", event["event"], type(error).__name__, error)
 
 
 @task(name="gate", cache_policy=NONE)
 def gate_candidate(cfg: Config, round: int) -> dict:
     started = utcnow()
     run_id = cfg.run.name
+    sizes = look_sizes(cfg.gate.heldout_tasks, cfg.gate.max_heldout_tasks)
     tasks = heldout_tasks(cfg)
-    task_ids = [t.task_id for t in tasks]
     cid = candidate_id(cfg, round)
     with open_store(cfg) as store:
         champion = store.champion(run_id)
         trained = store.has_model(cid)
         paths = {m: store.model_path(m) for m in ((cid, champion) if trained else (champion,))}
-        reused = _stored_results(store, run_id, champion, task_ids)
+        stored = _stored_results(store, run_id, champion, [t.task_id for t in tasks])
 
-    # The champion plays only when the store lacks its results on these tasks (round 1: the base).
-    to_play = [("candidate", cid)] if trained else []
-    if reused is None:
-        to_play.append(("champion", champion))
-    played: dict[str, list[Episode]] = {}
-    for tag, mid in to_play:
-        episodes = [Episode(traj_id=f"{run_id}/r{round}/gate/{tag}/{i:04d}", task=t,
-                            group_id=f"{run_id}/eval/{t.task_id}", sample_idx=0) for i, t in enumerate(tasks)]
-        play(cfg, backend_for(cfg, paths[mid]), episodes, cfg.gate.temperature, cfg.gate.seed,
-             f"round {round} gate: {tag}")
-        played[mid] = episodes
+    # results[model][i]: the model's outcome on held-out task i, from the store or played here
+    results: dict[str, dict[int, dict]] = {m: {} for m in paths}
+    results[champion] = {i: {**stored[t.task_id], "task_type": t.task_type}
+                         for i, t in enumerate(tasks) if t.task_id in stored}
+    played: dict[str, list[Episode]] = {m: [] for m in paths}
+    tag = {cid: "candidate", champion: "champion"}
 
-    def outcome(mid: str) -> list[dict]:
-        if mid in played:
-            return [{"success": e.success, "gen_tokens": e.gen_tokens, "task_type": e.task.task_type,
-                     "traj_id": e.traj_id} for e in played[mid]]
-        return [{**reused[t.task_id], "task_type": t.task_type} for t in tasks]
+    def play_first(n: int) -> None:
+        """Give every model a result on the first n tasks, playing only the ones it lacks."""
+        for mid in paths:
+            missing = [i for i in range(n) if i not in results[mid]]
+            if not missing:
+                continue
+            episodes = [Episode(traj_id=f"{run_id}/r{round}/gate/{tag[mid]}/{i:04d}", task=tasks[i],
+                                group_id=f"{run_id}/eval/{tasks[i].task_id}", sample_idx=0) for i in missing]
+            play(cfg, backend_for(cfg, paths[mid]), episodes, cfg.gate.temperature, cfg.gate.seed,
+                 f"round {round} gate: {tag[mid]} ({len(missing)} of {n} tasks)")
+            played[mid] += episodes
+            for i, e in zip(missing, episodes):
+                results[mid][i] = {"success": e.success, "gen_tokens": e.gen_tokens,
+                                   "task_type": e.task.task_type, "traj_id": e.traj_id}
 
-    champ = outcome(champion)
+    def outcomes(n: int) -> tuple[list[bool], list[bool]]:
+        play_first(n)
+        return ([bool(results[cid][i]["success"]) for i in range(n)],
+                [bool(results[champion][i]["success"]) for i in range(n)])
+
     if trained:
-        cand = outcome(cid)
-        ev = compare([bool(r["success"]) for r in cand], [bool(r["success"]) for r in champ],
-                     cfg.gate.rule, cfg.gate.confidence)
-        decision = "promote" if should_promote(ev) else "reject"
-        evidence = {**ev.to_dict(), "candidate_trajectories": [r["traj_id"] for r in cand]}
+        result = sequential_decision(outcomes, sizes, Rule(cfg.gate.rule, cfg.gate.alpha, cfg.gate.margin,
+                                                           cfg.gate.confidence))
+        ev, decision, n = result.evidence, result.decision, result.evidence.n
+        evidence = {**result.to_dict(), "alpha": cfg.gate.alpha, "margin": cfg.gate.margin, "look_sizes": sizes,
+                    "candidate_trajectories": [results[cid][i]["traj_id"] for i in range(n)]}
         summary = {"decision": decision, "candidate": ev.candidate_rate, "champion": ev.champion_rate,
-                   "candidate_ci": ev.candidate_ci, "champion_ci": ev.champion_ci}
+                   "candidate_ci": ev.candidate_ci, "champion_ci": ev.champion_ci, "n": n, "wins": ev.wins,
+                   "losses": ev.losses, "p_value": evidence.get("p_value"), "looks": len(result.looks)}
+        line = result.describe()
     else:
-        decision = "skip"
-        successes = sum(bool(r["success"]) for r in champ)
+        decision, n = "skip", sizes[0]
+        play_first(n)
+        successes = sum(bool(results[champion][i]["success"]) for i in range(n))
         evidence = {"reason": "no training examples this round: no candidate was trained",
-                    "n": len(champ), "champion_successes": successes, "champion_rate": successes / len(champ)}
-        summary = {"decision": decision, "champion": evidence["champion_rate"]}
-    evidence.update(task_ids=task_ids, champion_results_reused=reused is not None,
-                    champion_trajectories=[r["traj_id"] for r in champ])
+                    "n": n, "champion_successes": successes, "champion_rate": successes / n}
+        summary = {"decision": decision, "champion": evidence["champion_rate"], "n": n}
+        line = f"no candidate (no training examples) -> skip; champion {successes}/{n}"
+    evidence.update(task_ids=[t.task_id for t in tasks[:n]], champion_results_reused=not played[champion],
+                    champion_tasks_reused=n - len(played[champion]),
+                    champion_trajectories=[results[champion][i]["traj_id"] for i in range(n)])
     new_champion = cid if decision == "promote" else champion
 
     with open_store(cfg) as store, store.step(run_id, round, "gate", started) as tx:
-        tx.insert("tasks", [t.to_row() for t in tasks])
+        tx.insert("tasks", [t.to_row() for t in tasks[:n]])
         for mid, episodes in played.items():
+            if not episodes:
+                continue
             trajs, turns = episode_rows(episodes, mid, "eval")
             tx.insert("trajectories", trajs)
             tx.insert("turns", turns)
-            tag = "candidate" if mid == cid else "champion"
-            tx.insert("evaluations", success_rows(outcome(mid), mid, "heldout", cfg.env.name, cfg.gate.confidence,
-                                                  f"{run_id}/r{round}/gate/{tag}"))
+            tx.insert("evaluations", success_rows([results[mid][i] for i in range(n)], mid, "heldout", cfg.env.name,
+                                                  cfg.gate.confidence, f"{run_id}/r{round}/gate/{tag[mid]}"))
         tx.insert("gate_decisions", [{"candidate_id": cid if trained else None, "champion_id": champion,
                                       "decision": decision, "rule": cfg.gate.rule, "evidence": evidence,
                                       "new_champion_id": new_champion}])
         if trained:
             tx.set_model_role(cid, "champion" if decision == "promote" else "rejected")
-    get_run_logger().info("round %d gate: %s", round, summary)
+    logger = get_run_logger()
+    logger.info("round %d gate: %s", round, line)
+    emit_gate_event(gate_event(run_id, round, decision, cid if trained else None, champion, new_champion,
+                               {"rule": cfg.gate.rule, **summary}), logger)
     return summary
