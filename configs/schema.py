@@ -65,13 +65,64 @@ class HFBackendConfig(_Section):
     )
 
 
+class VLLMBackendConfig(_Section):
+    python: str | None = Field(
+        None, description="Interpreter the vLLM engine runs under. null: this one if `vllm` imports here, else "
+        "`.venv-vllm/bin/python` in the repository (bin/setup-vllm makes it). The engine then runs as a child "
+        "process that dies with rsiflow's.")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="Weights dtype for generation only; null = model.dtype.")
+    max_model_len: int = Field(4096, ge=256, le=1_048_576, description="Longest prompt + completion, in tokens, the "
+        "engine accepts (sizes its KV blocks).")
+    kv_cache_gib: float = Field(4.0, gt=0, le=1024, description="CPU build: GiB of KV cache "
+        "(VLLM_CPU_KVCACHE_SPACE). GPUs size theirs from gpu_memory_utilization.")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1.0, description="GPU build: share of GPU memory the "
+        "engine may take (weights + KV cache).")
+    enforce_eager: bool = Field(False, description="GPU build: no CUDA graphs (faster start, slower decode).")
+    seed: int = Field(0, description="The engine's global seed (unseeded requests draw from it).")
+    score_temp_logprobs: bool = Field(
+        True, description="At temperature 1 with top_p < 1, score each completion once more (prompt_logprobs) to "
+        "get the temperature-only logprobs the GRPO mismatch correction needs; costs one prefill per row, mostly "
+        "from the prefix cache. Off: those turns skip the correction.")
+    redeploy: Literal["reload", "restart"] = Field(
+        "reload", description="How a new champion is served: 'reload' replaces the weights in place (vLLM's "
+        "reload_weights; same architecture, falls back to a restart otherwise), 'restart' starts a new engine.")
+    start_timeout: float = Field(900.0, gt=0, description="Seconds to wait for the engine to start before giving "
+        "up (minutes on a 2-core CPU).")
+
+
+class OpenAIBackendConfig(_Section):
+    base_url: str = Field("http://127.0.0.1:8000/v1", description="Base URL of the OpenAI-compatible server "
+        "(its /completions endpoint is used).")
+    model: str | None = Field(None, description="Model name the server serves; null = the first of GET /models.")
+    api_key_env: str | None = Field(None, description="Environment variable holding the API key sent as a Bearer "
+        "token (never put the key itself in a config).")
+    timeout: float = Field(600.0, gt=0, description="Seconds one request may take.")
+    retries: int = Field(5, ge=0, le=50, description="Retries on connection errors and HTTP 502/503/504.")
+    backoff_seconds: float = Field(1.0, ge=0, description="First retry delay; doubles each retry.")
+    max_concurrency: int = Field(16, ge=1, le=1024, description="Requests in flight at once per generate call.")
+    score_temp_logprobs: bool = Field(
+        True, description="As backend.vllm.score_temp_logprobs; needs vLLM's prompt_logprobs extension.")
+    redeploy: Literal["none", "vllm_reload", "command"] = Field(
+        "none", description="How the server is made to serve another checkpoint (a new champion, or the gate's "
+        "candidate): 'vllm_reload' = vLLM's dev endpoints collective_rpc reload_weights + reset_prefix_cache (server "
+        "started with VLLM_SERVER_DEV_MODE=1, checkpoint path readable by it); 'command' = run redeploy_command; "
+        "'none' = the server serves one model and any other is an error.")
+    redeploy_command: list[str] = Field(default_factory=list, description="argv run for redeploy: command, "
+        "'{path}' replaced by the checkpoint folder (no shell); must return once the server serves it.")
+
+
 class BackendConfig(_Section):
     kind: str = Field("hf", description="Generation backend, a key of models.backend.BACKENDS: 'hf' (transformers "
-        "generate, CPU or one GPU). Its options are in the section of the same name.")
+        "generate, CPU or one GPU), 'vllm' (vLLM's engine, one per process), 'openai' (an OpenAI-compatible "
+        "server). Its options are in the section of the same name.")
     max_new_tokens: int = Field(24, ge=1, description="Most tokens per action.")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature for training rollouts (0 = greedy).")
     top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus sampling mass for training rollouts.")
     hf: HFBackendConfig = Field(default_factory=HFBackendConfig, description="Options of the 'hf' backend.")
+    vllm: VLLMBackendConfig = Field(default_factory=VLLMBackendConfig, description="Options of the 'vllm' backend.")
+    openai: OpenAIBackendConfig = Field(default_factory=OpenAIBackendConfig, description="Options of the 'openai' "
+        "backend.")
 
     @model_validator(mode="after")
     def _known_kind_and_no_foreign_options(self) -> BackendConfig:
@@ -322,6 +373,21 @@ def _source_of(path: tuple, sources: dict) -> str:
     return "defaults"
 
 
+def _drop_overridden_backend_sections(data: dict, sources: dict, order: list[str]) -> None:
+    """An overlay that switches `backend.kind` drops the other backends' sections set by the files before it
+    (`configs/default.yaml` sets `backend.hf`; `configs/vllm-cpu.yaml` on top of it switches to vllm). A section
+    of another backend set by the same source as the kind, or by a later one, stays and is an error."""
+    backend = data.get("backend")
+    if not isinstance(backend, dict) or ("backend", "kind") not in sources:
+        return
+    rank = {source: i for i, source in enumerate(order)}
+    kind_rank = rank.get(sources[("backend", "kind")], -1)
+    for name in [k for k, v in backend.items() if isinstance(v, dict) and k != backend.get("kind")]:
+        set_by = {rank.get(src, -1) for path, src in sources.items() if path[:2] == ("backend", name)}
+        if set_by and max(set_by) < kind_rank:
+            del backend[name]
+
+
 def load_config(files: list[str | Path], overrides: list[str] = ()) -> Config:
     """Merge YAML files left to right, apply `a.b=c` overrides, validate. Raises ConfigError."""
     data: dict = {}
@@ -343,6 +409,8 @@ def load_config(files: list[str | Path], overrides: list[str] = ()) -> Config:
         for part in reversed(key):
             nested = {part: nested}
         _merge(data, nested, sources, f"--set {text}")
+    _drop_overridden_backend_sections(data, sources, [str(Path(f)) for f in files]
+                                      + [f"--set {text}" for text in overrides])
     try:
         return Config.model_validate(data)
     except ValidationError as e:

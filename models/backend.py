@@ -18,12 +18,17 @@ own section of the config (`backend.<kind>`, configs/schema.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import import_module
 from typing import Any, Protocol
 
 # backend.kind -> "module:Class", imported on first use (a backend may need packages others don't).
-BACKENDS: dict[str, str] = {"hf": "models.hf_backend:HFBackend"}
+BACKENDS: dict[str, str] = {
+    "hf": "models.hf_backend:HFBackend",
+    "vllm": "models.vllm_backend:VLLMBackend",
+    "openai": "models.openai_backend:OpenAIBackend",
+}
 
 
 @dataclass(frozen=True)
@@ -80,3 +85,29 @@ def open_backend(kind: str, model_path: str, *, dtype: str = "float32", trust_re
                  **options: Any) -> GenerationBackend:
     """A `kind` backend serving `model_path` (see each backend's `open` for what it reuses)."""
     return backend_class(kind).open(str(model_path), dtype=dtype, trust_remote_code=trust_remote_code, **options)
+
+
+def finish_row(tokens: list[int], logprobs: list[float], temp_logprobs: list[float], stop: tuple[str, ...],
+               prompt_tokens: int, eos_ids: set[int], decode: Callable[[list[int]], str]) -> Generation:
+    """One row's Generation from the tokens a sampler produced, the same way for every backend: cut at the
+    first eos (not kept), then at the first occurrence of any stop string in the decoded text; `token_ids`
+    becomes the shortest token prefix whose decoded text covers the cut text (a token that holds the end of
+    the text *and* the start of the stop string is kept), and the logprob lists are cut to match."""
+    finish_reason = "length"
+    eos_at = next((j for j, t in enumerate(tokens) if t in eos_ids), None)
+    if eos_at is not None:
+        tokens, finish_reason = tokens[:eos_at], "stop"
+    text = decode(tokens)
+    extra = {}
+    hits = [(text.find(s), s) for s in stop if s in text]
+    if hits:
+        cut, matched = min(hits)
+        text, finish_reason, extra["stop"] = text[:cut], "stop", matched
+        # Shortest token prefix whose text covers `text` (decode is monotone here: scan down from the end).
+        keep = len(tokens)
+        while keep > 0 and decode(tokens[:keep - 1]).startswith(text):
+            keep -= 1
+        tokens = tokens[:keep]
+    return Generation(text=text, token_ids=list(tokens), logprobs=list(logprobs[:len(tokens)]),
+                      finish_reason=finish_reason, prompt_tokens=prompt_tokens, extra=extra,
+                      temp_logprobs=list(temp_logprobs[:len(tokens)]))

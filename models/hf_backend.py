@@ -49,7 +49,7 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessor, Logits
 from transformers.cache_utils import DynamicLayer
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-from models.backend import Generation, SamplingParams
+from models.backend import Generation, SamplingParams, finish_row
 from models.loading import load_model_and_tokenizer
 
 # SmolLM2-135M on the 2-core CPU, 268-token prompts, 16 new tokens, generated tok/s on an idle machine:
@@ -357,31 +357,8 @@ class HFBackend:
         ]
 
     def _finish_row(self, tokens: list[int], logprobs: list[float], temp_logprobs: list[float], stop: tuple[str, ...],
-                    prompt_tokens: int):
-        finish_reason = "length"
-        eos_at = next((j for j, t in enumerate(tokens) if t in self._eos_ids), None)
-        if eos_at is not None:
-            tokens, finish_reason = tokens[:eos_at], "stop"
-        text = self._decode(tokens)
-        extra = {}
-        hits = [(text.find(s), s) for s in stop if s in text]
-        if hits:
-            cut, matched = min(hits)
-            text, finish_reason, extra["stop"] = text[:cut], "stop", matched
-            # Shortest token prefix whose text covers `text` (decode is monotone here: scan down from the end).
-            keep = len(tokens)
-            while keep > 0 and self._decode(tokens[:keep - 1]).startswith(text):
-                keep -= 1
-            tokens = tokens[:keep]
-        return Generation(
-            text=text,
-            token_ids=tokens,
-            logprobs=logprobs[:len(tokens)],
-            finish_reason=finish_reason,
-            prompt_tokens=prompt_tokens,
-            extra=extra,
-            temp_logprobs=temp_logprobs[:len(tokens)],
-        )
+                    prompt_tokens: int) -> Generation:
+        return finish_row(tokens, logprobs, temp_logprobs, stop, prompt_tokens, self._eos_ids, self._decode)
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)

@@ -55,3 +55,87 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "prefect_api" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+
+
+def vllm_python() -> str | None:
+    """The interpreter that runs the vLLM engine here (None = this one), or pytest.skip with the reason."""
+    from models.vllm_backend import DEFAULT_PYTHON, vllm_importable
+
+    if vllm_importable():
+        return None
+    if not DEFAULT_PYTHON.exists():
+        pytest.skip(f"vLLM is not installed: neither importable here nor at {DEFAULT_PYTHON} (bash bin/setup-vllm)")
+    return str(DEFAULT_PYTHON)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path(model_cache) -> Path:
+    """SmolLM2-135M-Instruct as a safetensors checkpoint (converted once from the embedded GGUF)."""
+    from models.loading import resolve_base_model
+
+    return resolve_base_model("embedded:smollm2-135m-instruct", model_cache)
+
+
+@pytest.fixture(scope="session")
+def vllm_backend(smollm2_path):
+    """The process's one vLLM engine on SmolLM2 (started once per pytest run; engine start is minutes on
+    2 cores). Tests may switch its weights; each gets it back serving SmolLM2 (see `serving_smollm2`)."""
+    from models.vllm_backend import VLLMBackend, shutdown_engine
+
+    python = vllm_python()
+    backend = VLLMBackend.open(smollm2_path, python=python, kv_cache_gib=2, max_model_len=4096)
+    yield backend
+    shutdown_engine()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def vllm_server(smollm2_path, tmp_path_factory):
+    """A real `vllm serve` of SmolLM2 on a loopback port (started once per pytest run), with the dev endpoints
+    rsiflow's `vllm_reload` redeploy uses. Yields its base URL (…/v1)."""
+    import subprocess
+    import time
+
+    import httpx
+
+    python = vllm_python()
+    vllm_bin = str(Path(python).parent / "vllm") if python else "vllm"
+    port = _free_port()
+    log = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([vllm_bin, "serve", str(smollm2_path), "--host", "127.0.0.1", "--port", str(port),
+                                 "--served-model-name", "rsiflow", "--dtype", "float32", "--max-model-len", "4096",
+                                 "--enable-prefix-caching", "--logprobs-mode", "processed_logprobs",
+                                 "--generation-config", "vllm"], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 900
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(url + "/models", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vllm serve did not answer within 900 s:\n{log.read_text()[-3000:]}")
+            time.sleep(2)
+        yield url
+    finally:
+        import signal
+
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
