@@ -308,9 +308,11 @@ class GateConfig(_Section):
 
 
 class PrefectConfig(_Section):
-    deployment: str = Field("default", description="Deployment name `rsiflow serve` registers for the round flow.")
-    cron: str | None = Field(None, description="Cron schedule for `rsiflow serve` (e.g. '0 */6 * * *'); none = on "
-        "demand.")
+    """How `rsiflow serve` registers the run: deployments `improvement-round/<run.name>` and
+    `self-improve/<run.name>` (named after the run, so two configs never share one)."""
+
+    cron: str | None = Field(None, description="Cron schedule of the `improvement-round/<run.name>` deployment "
+        "`rsiflow serve` registers (e.g. '0 */6 * * *'); none = on demand (serving clears an existing schedule).")
 
 
 class Config(_Section):

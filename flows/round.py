@@ -2,14 +2,21 @@
 
 It runs the next round of the run named in the config, or finishes the round a crash left
 open: steps the store records as completed are skipped, the others run (a step run again
-replaces its rows). Composition only: the work is in tasks/.
+replaces its rows). The round holds the run's lease in the store (flows/lease.py) from before it
+picks its round number until its last step, so two starters never run rounds of one run at once.
+Its flow run is named `<run>-round-<n>` and tagged (`rsiflow`, `run:<name>`, `env:<env>`, `method:<m>`):
+callers that hold the lease know n and name the run at creation (`round_flow`); a run a deployment
+created is renamed once the round holds the lease. Composition only: the work is in tasks/.
 """
 
 from __future__ import annotations
 
 from prefect import flow, get_run_logger
+from prefect.client.orchestration import get_client
+from prefect.context import FlowRunContext
 
 from configs.schema import Config, load_config
+from flows.lease import run_lease
 from tasks.common import STEPS, open_store
 from tasks.deploy import redeploy
 from tasks.distill import distill_examples
@@ -30,28 +37,59 @@ STEP_TASKS = {
 assert tuple(STEP_TASKS) == STEPS
 
 
-def run_round(cfg: Config) -> dict:
-    """Run (or finish) the next round of `cfg`'s run; returns {round, steps run, results}."""
+def run_tags(cfg: Config) -> list[str]:
+    """The tags of the run's flow runs and deployments: rsiflow, run:<name>, env:<env>, method:<m> per method."""
+    return ["rsiflow", f"run:{cfg.run.name}", f"env:{cfg.env.name}", *(f"method:{m}" for m in cfg.distill.methods)]
+
+
+def label_flow_run(cfg: Config, name: str) -> tuple[str | None, str | None]:
+    """Rename the current flow run to `name` and add `run_tags(cfg)` to its tags (a deployment's stay);
+    returns (flow run id, name), or (None, None) outside a flow run."""
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None:
+        return None, None
+    tags = sorted(set(ctx.flow_run.tags) | set(run_tags(cfg)))
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(ctx.flow_run.id, name=name, tags=tags)
+    return str(ctx.flow_run.id), name
+
+
+def run_round(cfg: Config, lease_wait_s: float = 0.0) -> dict:
+    """Run (or finish) the next round of `cfg`'s run under the run's lease; returns {round, steps run,
+    results}. A second starter waits up to `lease_wait_s` seconds for the run, then raises RunBusyError."""
     ensure_run(cfg)
     run_id = cfg.run.name
-    with open_store(cfg) as store:
-        round = max(store.last_completed_round(run_id), 0) + 1  # rounds count from 1; 0 registers the base
-        done = store.completed_steps(run_id, round)
-        if store.round_status(run_id, round) is None:
-            store.start_round(run_id, round, store.champion(run_id))
-    logger = get_run_logger()
-    if done:
-        logger.info("resuming round %d of run %r: %s already completed", round, run_id, sorted(done))
-    results = {}
-    for step in STEPS:
-        if step in done:
-            continue
-        results[step] = STEP_TASKS[step](cfg, round)
+    with run_lease(cfg, lease_wait_s) as lease:
+        with open_store(cfg) as store:
+            round = max(store.last_completed_round(run_id), 0) + 1  # rounds count from 1; 0 registers the base
+            done = store.completed_steps(run_id, round)
+            champion = store.champion(run_id)
+            if store.round_status(run_id, round) is None:
+                store.start_round(run_id, round, champion)
+        lease.set_flow_run(*label_flow_run(cfg, f"{run_id}-round-{round}"))
+        logger = get_run_logger()
+        logger.info("round %d of run %r starting: champion %s", round, run_id, champion)
+        if done:
+            logger.info("resuming round %d of run %r: %s already completed", round, run_id, sorted(done))
+        results = {}
+        for step in STEPS:
+            if step in done:
+                continue
+            lease.check()
+            results[step] = STEP_TASKS[step](cfg, round)
     return {"round": round, "skipped": sorted(done), "results": results}
 
 
 # List defaults (never mutated) are what Prefect shows in the deployment's run form.
 @flow(name="improvement-round")
-def improvement_round(config: list[str] = ["configs/default.yaml"], overrides: list[str] = []) -> dict:  # noqa: B006
-    """Run the next round of the run that `config` (YAML files, overlays last) names."""
-    return run_round(load_config(config, overrides))
+def improvement_round(config: list[str] = ["configs/default.yaml"], overrides: list[str] = [],  # noqa: B006
+                      lease_wait_s: float = 0.0) -> dict:
+    """Run the next round of the run that `config` (YAML files, overlays last) names; if another round of
+    that run is running, wait up to `lease_wait_s` seconds for it, then fail naming its holder."""
+    return run_round(load_config(config, overrides), lease_wait_s)
+
+
+def round_flow(cfg: Config, round: int):
+    """`improvement_round` with its flow run named `<run>-round-<round>` from the start (for callers that hold
+    the run's lease, so `round` is the round it will run)."""
+    return improvement_round.with_options(flow_run_name=f"{cfg.run.name}-round-{round}")

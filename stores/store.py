@@ -436,16 +436,24 @@ class Store:
         """Renew `holder`'s lease for `ttl_s` seconds from now (and record the flow run now executing under it,
         when given); False when `holder` no longer holds the run (it was taken over)."""
         now = _utcnow()
-        return bool(self._con.execute(
+        return bool(self._lease_write(
             "UPDATE leases SET heartbeat_at = ?, expires_at = ?, flow_run_id = coalesce(?, flow_run_id),"
             " flow_run_name = coalesce(?, flow_run_name) WHERE run_id = ? AND holder = ?",
-            [now, now + timedelta(seconds=ttl_s), flow_run_id, flow_run_name, run_id, holder],
-        ).fetchall()[0][0])
+            [now, now + timedelta(seconds=ttl_s), flow_run_id, flow_run_name, run_id, holder]))
 
     def release_lease(self, run_id: str, holder: str) -> bool:
         """Give the run's lease back; False when `holder` did not hold it (any more)."""
-        return bool(self._con.execute(
-            "DELETE FROM leases WHERE run_id = ? AND holder = ?", [run_id, holder]).fetchall()[0][0])
+        return bool(self._lease_write("DELETE FROM leases WHERE run_id = ? AND holder = ?", [run_id, holder]))
+
+    def _lease_write(self, sql: str, params: list) -> int:
+        """One statement on a lease row, retried while another connection of this process writes the same row
+        (DuckDB refuses the later writer: "Conflict on update"); returns the rows changed."""
+        for attempt in range(50):
+            try:
+                return self._con.execute(sql, params).fetchall()[0][0]
+            except duckdb.TransactionException:
+                time.sleep(0.01 * (attempt + 1))
+        raise RuntimeError(f"{sql.split()[0]} on a lease row: 50 write conflicts in a row")
 
     # ---- export ---------------------------------------------------------------------------
 

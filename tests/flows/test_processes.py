@@ -117,13 +117,13 @@ def test_deployment_run_through_local_prefect_server(tmp_path):
         deadline = time.time() + 90
         while True:
             found = subprocess.run([sys.executable, "-m", "prefect", "deployment", "inspect",
-                                    "improvement-round/default"],
+                                    "improvement-round/tiny"],
                                    env=env, capture_output=True, text=True, timeout=60)
             if found.returncode == 0:
                 break
             assert serve.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
             time.sleep(1)
-        run = subprocess.run([sys.executable, "-m", "prefect", "deployment", "run", "improvement-round/default",
+        run = subprocess.run([sys.executable, "-m", "prefect", "deployment", "run", "improvement-round/tiny",
                               "--watch", "--watch-timeout", "240"],
                              env=env, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, (run.stdout[-3000:] + run.stderr[-2000:]
