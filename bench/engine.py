@@ -12,6 +12,14 @@
    baseline: it is the ceiling of the `hf` backend.
 Prints generated tokens/s of both and their ratio (engine / baseline), measured in this run,
 plus prefill tokens per episode against the final context length.
+
+With `--vllm`, the same recorded calls are replayed through the `vllm` backend (the same templated
+prompt ids, each row sampling exactly as many tokens as the `hf` engine's row did, eos ignored, prefix
+caching on), and the run also prints vLLM's engine start time, its generated tok/s and prefill per
+episode against the `hf` engine's, and each engine's processed tokens/s (prefill + generated, in
+backend calls only) against this machine's limit measured in the same run: the model's matmul FLOPs
+per token (2 x the weights of its Linear layers, lm_head included; attention's context term left out)
+into the fp32 matmul GFLOP/s torch reaches here.
 """
 
 from __future__ import annotations
@@ -81,6 +89,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-reuse", action="store_true", help="the engine's backend reuses KV caches across turns")
+    ap.add_argument("--vllm", action="store_true", help="also replay the calls through the vllm backend")
+    ap.add_argument("--vllm-python", default=None, help="interpreter with vllm (default: backend.vllm.python's)")
+    ap.add_argument("--kv-cache-gib", type=float, default=4.0, help="vLLM CPU KV cache, GiB")
     args = ap.parse_args()
 
     path = resolve_base_model(args.model, Path(args.cache).expanduser())
@@ -111,6 +122,64 @@ def main() -> None:
     print(f"ratio    : engine / baseline = {engine_rate / base_rate:.3f}   (budget >= 0.9)")
     print(f"prefill  : {prefill:.0f} prompt tokens per episode vs final context {final_ctx:.0f} "
           f"= {prefill / final_ctx:.2f}x   (budget <= 1.2x, needs KV reuse across turns)")
+    if not args.vllm:
+        return
+    gflops = matmul_gflops()
+    per_token = flops_per_token(backend.model)
+    limit = gflops * 1e9 / per_token
+    hf_processed = (prefill * len(episodes) + sampled) / rec.seconds
+    print(f"limit    : fp32 matmul {gflops:.0f} GFLOP/s on {torch.get_num_threads()} threads / "
+          f"{per_token / 1e6:.0f} MFLOP per token = {limit:.0f} processed tok/s")
+    print(f"hf       : {hf_processed:.0f} processed tok/s (prefill + generated, in backend.generate) "
+          f"= {hf_processed / limit:.2f} of the limit")
+    replay_vllm(args, path, backend, rec, params, sampled, engine_rate, prefill, limit)
+
+
+def replay_vllm(args, path, backend: HFBackend, rec: Recorder, params: SamplingParams, sampled: int,
+                hf_rate: float, hf_prefill: float, limit: float) -> None:
+    from models.vllm_backend import VLLMBackend
+
+    t0 = time.perf_counter()
+    vb = VLLMBackend.open(path, python=args.vllm_python, kv_cache_gib=args.kv_cache_gib)
+    start_s = time.perf_counter() - t0
+    tok = backend.tokenizer
+    seconds, generated, prefilled, prompt_total = 0.0, 0, 0, 0
+    for conversations, gens in rec.calls:
+        texts = tok.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False)
+        prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+        lengths = [max(1, _sampled(g)) for g in gens]
+        t1 = time.perf_counter()
+        rows = vb.replay(prompts, lengths, params)
+        seconds += time.perf_counter() - t1
+        generated += sum(len(r["token_ids"]) for r in rows)
+        prefilled += sum(len(p) - r["cached_tokens"] for p, r in zip(prompts, rows))
+        prompt_total += sum(len(p) for p in prompts)
+    rate = generated / seconds
+    processed = (prefilled + generated) / seconds
+    n = len({id(c) for c in rec.calls}) and args.episodes
+    print(f"vllm     : engine start {start_s:.0f} s (this process: {vb.start_seconds} s in the engine)")
+    print(f"vllm     : {generated} tokens (hf sampled {sampled}) in {seconds:.2f} s = {rate:.1f} tok/s "
+          f"= {rate / hf_rate:.2f}x the hf engine's {hf_rate:.1f}")
+    print(f"vllm     : prefill {prefilled / n:.0f} tokens per episode (prefix cache served "
+          f"{1 - prefilled / prompt_total:.0%} of {prompt_total / n:.0f}) vs hf kv_reuse {hf_prefill:.0f}")
+    print(f"vllm     : {processed:.0f} processed tok/s = {processed / limit:.2f} of the limit")
+
+
+def matmul_gflops(seconds: float = 2.0) -> float:
+    """fp32 GFLOP/s of a SmolLM2-sized matmul (512 tokens x 576 -> 1536) on this machine's torch threads."""
+    a, b = torch.randn(512, 576), torch.randn(576, 1536)
+    for _ in range(3):
+        a @ b
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        n += 1
+    return 2 * 512 * 576 * 1536 * n / (time.perf_counter() - t0) / 1e9
+
+
+def flops_per_token(model) -> float:
+    """2 x the weights of every Linear layer (lm_head included): matmul FLOPs of one token's forward pass."""
+    return 2.0 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def _sampled(g) -> int:

@@ -17,8 +17,10 @@ request over prompt + completion with vLLM's `prompt_logprobs` (`score_temp_logp
 
 Connection errors and 502/503/504 are retried `retries` times with exponential backoff from
 `backoff_seconds`; after that the error names the URL. A server serves one model: the backend
-remembers, per URL, which checkpoint the server holds (at first use: the one it was opened on), and a
-call for another checkpoint (the gate's candidate, or the champion after it) first redeploys:
+remembers, per URL, which checkpoint this process made the server serve, and a call for another one
+(the gate's candidate, or the champion after it) first redeploys. The first call of a process redeploys
+too (what a server holds after a crash is not known); only with `redeploy: none` is the server assumed
+to serve the checkpoint the backend was opened on:
 - `redeploy: vllm_reload`: `POST {root}/collective_rpc` with vLLM workers' `reload_weights` and the
   checkpoint path, then `POST {root}/reset_prefix_cache` (vLLM's dev endpoints: start the server with
   `VLLM_SERVER_DEV_MODE=1`; the path must be readable by the server);
@@ -78,7 +80,8 @@ class OpenAIBackend:
             pass
         self._eos_ids = {e for e in eos if e is not None}
         self.model = model or self._request("GET", "/models")["data"][0]["id"]
-        _SERVING.setdefault(self.base_url, self.model_path)
+        if redeploy == "none":  # a server rsiflow cannot switch serves, by assumption, what it is opened on
+            _SERVING.setdefault(self.base_url, self.model_path)
 
     @classmethod
     def open(cls, model_path: str | Path, *, dtype: str = "float32", trust_remote_code: bool = False,

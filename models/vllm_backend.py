@@ -277,5 +277,13 @@ class VLLMBackend:
             out.append(gen)
         return out
 
+    def replay(self, prompts: list[list[int]], lengths: list[int], params: SamplingParams) -> list[dict]:
+        """Sample exactly `lengths[i]` tokens after each token-id prompt (eos ignored), as the engine returns
+        them (token_ids, logprobs, cached_tokens): bench/engine replays another engine's calls with it."""
+        self._switch(self.model_path)
+        return _ENGINE.handle.call("generate", prompts=prompts, max_tokens=list(lengths),
+                                   temperature=params.temperature, top_p=params.top_p, stop=[], seed=params.seed,
+                                   score=False, ignore_eos=True)
+
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)

@@ -59,14 +59,17 @@ class Engine:
         return {"model_path": self.model_path, "start_seconds": round(self.start_seconds, 2),
                 "vllm_version": vllm.__version__, "pid": os.getpid()}
 
-    def generate(self, prompts: list[list[int]], max_tokens: int, temperature: float, top_p: float,
-                 stop: list[str], seed: int | None, score: bool) -> list[dict]:
+    def generate(self, prompts: list[list[int]], max_tokens: int | list[int], temperature: float, top_p: float,
+                 stop: list[str], seed: int | None, score: bool, ignore_eos: bool = False) -> list[dict]:
+        """`max_tokens` per row or for all; `ignore_eos` samples exactly max_tokens (bench replays)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         def params(i: int) -> SamplingParams:
-            return SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                                  top_p=top_p if temperature > 0 else 1.0, stop=list(stop) or None, logprobs=0,
+            n = max_tokens[i] if isinstance(max_tokens, list) else max_tokens
+            return SamplingParams(max_tokens=n, min_tokens=n if ignore_eos else 0, ignore_eos=ignore_eos,
+                                  temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
+                                  stop=list(stop) or None, logprobs=0,
                                   seed=None if seed is None else (seed + i) % (2**31))
 
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],

@@ -101,17 +101,20 @@ def vllm_server(smollm2_path, tmp_path_factory):
     """A real `vllm serve` of SmolLM2 on a loopback port (started once per pytest run), with the dev endpoints
     rsiflow's `vllm_reload` redeploy uses. Yields its base URL (…/v1)."""
     import subprocess
+    import sys
     import time
 
     import httpx
 
-    python = vllm_python()
-    vllm_bin = str(Path(python).parent / "vllm") if python else "vllm"
+    python = vllm_python() or sys.executable
     port = _free_port()
     log = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
     with open(log, "w") as out:
-        proc = subprocess.Popen([vllm_bin, "serve", str(smollm2_path), "--host", "127.0.0.1", "--port", str(port),
+        # `python -m vllm.entrypoints.openai.api_server` is `vllm serve`: vllm-cpu's `vllm` script fails at start
+        # (it asks for the version of a distribution named "vllm"; the CPU build's is "vllm-cpu")
+        proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(smollm2_path),
+                                 "--host", "127.0.0.1", "--port", str(port),
                                  "--served-model-name", "rsiflow", "--dtype", "float32", "--max-model-len", "4096",
                                  "--enable-prefix-caching", "--logprobs-mode", "processed_logprobs",
                                  "--generation-config", "vllm"], stdout=out, stderr=subprocess.STDOUT, env=env,
@@ -132,10 +135,13 @@ def vllm_server(smollm2_path, tmp_path_factory):
             time.sleep(2)
         yield url
     finally:
+        import contextlib
         import signal
 
-        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
