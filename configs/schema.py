@@ -78,7 +78,10 @@ class VLLMBackendConfig(_Section):
         "(VLLM_CPU_KVCACHE_SPACE). GPUs size theirs from gpu_memory_utilization.")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1.0, description="GPU build: share of GPU memory the "
         "engine may take (weights + KV cache).")
-    enforce_eager: bool = Field(False, description="GPU build: no CUDA graphs (faster start, slower decode).")
+    enforce_eager: bool = Field(False, description="No torch.compile / CUDA graphs: a faster start, a slower decode "
+        "(SmolLM2-135M on this 2-core CPU: start 56 s vs 174 s, decode 80 vs 127 tok/s at batch 16).")
+    threads: int | None = Field(None, ge=1, le=4096, description="CPU build: torch threads of the engine "
+        "(OMP_NUM_THREADS); null = all cores (vLLM alone drops to 1 thread on this 2-core machine).")
     seed: int = Field(0, description="The engine's global seed (unseeded requests draw from it).")
     score_temp_logprobs: bool = Field(
         True, description="At temperature 1 with top_p < 1, score each completion once more (prompt_logprobs) to "
@@ -235,6 +238,38 @@ class GrpoConfig(_Section):
         "gradient is exactly 0. They are stored and counted either way.")
 
 
+class XTreeConfig(_Section):
+    window: int | None = Field(None, ge=1, description="Rounds of the run's training rollouts each round mines over "
+        "(this round and the window - 1 before it); null = every round so far, so the tree grows with the run.")
+    p: float = Field(1.0, ge=0.0, description="Exponent of the span length in the merge score X = f · len^p · "
+        "(succ + eps)^p_s (METHODS.md §3).")
+    p_s: float = Field(1.0, ge=0.0, description="Exponent of (succ + eps) in X; succ = success rate of the "
+        "trajectories that contain the span.")
+    eps: float = Field(0.05, ge=0.0, description="eps of X, so spans seen only in failures still score.")
+    eta0: float = Field(1.0, description="A merge is admissible while it compresses: f - 1 > eta0 + eta1 · len.")
+    eta1: float = Field(0.5, description="See eta0.")
+    max_depth: int = Field(6, ge=1, description="Deepest node (an action is depth 0, a merge 1 + its deeper child).")
+    max_nodes: int | None = Field(256, ge=1, description="Most merges per tree; null = until none is admissible.")
+    bonus: bool = Field(False, description="Online bonus for GRPO: r = r_verifier + lambda_g · B, B the share of the "
+        "tree's nodes for the task type that the rollout executes, lambda_g = bonus_lambda · (1 - group win rate). "
+        "Needs grpo after xtree in distill.methods; the verifier reward is stored unchanged beside it.")
+    bonus_lambda: float = Field(0.2, gt=0.0, description="lambda0 of the online bonus (ours: below 1, so a bonus "
+        "never outweighs a success).")
+    token_weights: bool = Field(False, description="SFT/ExIt token weights: each action of a successful trajectory "
+        "weighs 1 + token_weight_alpha · (best normalised score of a node span covering it), rescaled to mean 1 "
+        "per trajectory. Needs exit after xtree in distill.methods.")
+    token_weight_alpha: float = Field(1.0, gt=0.0, description="alpha of the token weights.")
+    context: bool = Field(False, description="Privileged context: the rendered tree for the task type in the "
+        "teacher's prompt, distilled into the student's own actions by the privileged-teacher term (the trainer SRD "
+        "uses; its divergence settings are distill.srd's).")
+    context_nodes: int = Field(8, ge=1, description="Top nodes (by X) of the task type rendered in the teacher's "
+        "prompt, each with the merged nodes below it.")
+    context_trajectories: int = Field(2, ge=1, description="Most trajectories per group scored with the tree as "
+        "privileged context.")
+    context_loss_weight: float = Field(0.01, ge=0.0, description="lambda of the context distillation term; equal to "
+        "distill.srd.loss_weight when srd runs too (the trainer has one such term).")
+
+
 class DistillConfig(_Section):
     methods: list[str] = Field(
         ["exit"], min_length=1,
@@ -247,6 +282,8 @@ class DistillConfig(_Section):
         "§1).")
     grpo: GrpoConfig = Field(default_factory=GrpoConfig, description="GRPO: policy gradient on the round's groups "
         "(TRL's GRPO loss).")
+    xtree: XTreeConfig = Field(default_factory=XTreeConfig, description="X-Tree: a tree of reusable action spans "
+        "mined from the run's rollouts, and its uses (METHODS.md §3).")
 
 
 class LoraConfig(_Section):

@@ -187,7 +187,8 @@ class VLLMBackend:
 
     def __init__(self, model_path: str, *, dtype: str = "float32", trust_remote_code: bool = False,
                  python: str | None = None, max_model_len: int = 4096, kv_cache_gib: float = 4.0,
-                 gpu_memory_utilization: float = 0.85, enforce_eager: bool = False, seed: int = 0,
+                 gpu_memory_utilization: float = 0.85, enforce_eager: bool = False, threads: int | None = None,
+                 seed: int = 0,
                  score_temp_logprobs: bool = True, redeploy: str = "reload", start_timeout: float = 900.0):
         from transformers import AutoTokenizer, GenerationConfig
 
@@ -200,7 +201,8 @@ class VLLMBackend:
         self.start_timeout = start_timeout
         self.engine_options = {"dtype": dtype, "seed": seed, "max_model_len": max_model_len,
                                "kv_cache_gib": kv_cache_gib, "gpu_memory_utilization": gpu_memory_utilization,
-                               "enforce_eager": enforce_eager, "trust_remote_code": trust_remote_code}
+                               "enforce_eager": enforce_eager, "trust_remote_code": trust_remote_code,
+                               "threads": threads}
         self.key = (self.python, tuple(sorted(self.engine_options.items())))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
         eos = {self.tokenizer.eos_token_id}
