@@ -114,8 +114,13 @@ class RunLease:
         self.flow_run = (flow_run_id, flow_run_name)
         with Store(self.store_path) as store:
             if not store.heartbeat_lease(self.run_id, self.holder, LEASE_TTL_S, *self.flow_run):
-                self.lost = f"the lease of run {self.run_id!r} was taken over: {describe(store.lease(self.run_id))}"
+                self.lost = self._taken_over(store)
         self.check()
+
+    def _taken_over(self, store: Store) -> str:
+        lease = store.lease(self.run_id)
+        return (f"the lease of run {self.run_id!r} was taken over by "
+                + (describe(lease) if lease else "nobody (it was released)"))
 
     def check(self) -> None:
         """Raise LeaseLostError if another holder has taken the run over (call before each step)."""
@@ -127,9 +132,7 @@ class RunLease:
             try:
                 with Store(self.store_path) as store:
                     if not store.heartbeat_lease(self.run_id, self.holder, LEASE_TTL_S, *self.flow_run):
-                        lease = store.lease(self.run_id)
-                        self.lost = (f"the lease of run {self.run_id!r} was taken over by "
-                                     + (describe(lease) if lease else "nobody (it was released)"))
+                        self.lost = self._taken_over(store)
                         return
             except StoreLockedError:
                 continue   # another process writes the store right now: renew at the next beat
