@@ -42,14 +42,18 @@ def group_advantages(rewards: list[float], kind: str = "grpo", eps: float = 1e-4
     return [c / (sd + eps) for c in centred]
 
 
-def trajectory_advantages(trajectories: list[dict], kind: str = "grpo", eps: float = 1e-4) -> dict[str, float]:
-    """{traj_id: advantage} for trajectories with traj_id, group_id and reward (None counts as 0)."""
+def trajectory_advantages(trajectories: list[dict], kind: str = "grpo", eps: float = 1e-4,
+                          bonus: dict[str, float] | None = None) -> dict[str, float]:
+    """{traj_id: advantage} for trajectories with traj_id, group_id and reward (None counts as 0). With `bonus`
+    ({traj_id: b}, e.g. X-Tree's online bonus), the advantage is taken over the shaped reward r + b."""
+    bonus = bonus or {}
     groups: dict[str, list[dict]] = defaultdict(list)
     for t in trajectories:
         groups[t["group_id"]].append(t)
     out = {}
     for members in groups.values():
-        advs = group_advantages([float(t["reward"] or 0.0) for t in members], kind, eps)
+        advs = group_advantages([float(t["reward"] or 0.0) + bonus.get(t["traj_id"], 0.0) for t in members], kind,
+                                eps)
         out.update({t["traj_id"]: a for t, a in zip(members, advs)})
     return out
 

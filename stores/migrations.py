@@ -251,12 +251,80 @@ CREATE TABLE leases (
 );
 """
 
+# X-Tree (METHODS.md §3): the tree a round mined over its window of the run's rollouts, its nodes (one per
+# merge, with lineage to the first round whose tree had the same span), where each node occurred when it
+# was merged, and the online bonus each rollout of the round got (next to its verifier reward).
+XTREE_TABLES = """
+CREATE TABLE xtree_trees (
+    tree_id        VARCHAR,      -- '<run>/r<round>/xtree'
+    run_id         VARCHAR,
+    round          INTEGER,
+    step           VARCHAR,
+    parent_tree_id VARCHAR,      -- the run's previous tree (NULL for the first)
+    first_round    INTEGER,      -- the corpus: the run's training rollouts of rounds first_round..round
+    n_trajectories INTEGER,
+    n_symbols      BIGINT,
+    alphabet       VARCHAR[],    -- the canonical symbols seen
+    n_nodes        INTEGER,
+    params         JSON,         -- p, p_s, eps, eta0, eta1, max_depth, max_nodes
+    uses           VARCHAR[],    -- the uses active this round: bonus, token_weights, context
+    mine_s         DOUBLE
+);
+
+CREATE TABLE xtree_nodes (
+    tree_id     VARCHAR,
+    run_id      VARCHAR,
+    round       INTEGER,
+    step        VARCHAR,
+    node_idx    INTEGER,         -- merge order; the node's token is '#<node_idx>'
+    left_child  VARCHAR,         -- a canonical symbol or '#<node_idx>'
+    right_child VARCHAR,
+    span        VARCHAR[],       -- the canonical symbols it stands for
+    length      INTEGER,
+    depth       INTEGER,
+    freq        INTEGER,         -- f: occurrences when merged
+    succ        DOUBLE,          -- success rate of the trajectories containing it when merged
+    score       DOUBLE,          -- X = f · len^p · (succ + eps)^p_s
+    n_trajectories INTEGER,
+    task_types  JSON,            -- occurrences by task type
+    first_round INTEGER          -- the earliest round of the run whose tree had this span
+);
+
+CREATE TABLE xtree_occurrences (
+    tree_id    VARCHAR,
+    run_id     VARCHAR,
+    round      INTEGER,          -- the tree's round (the trajectory's own round is in trajectories)
+    step       VARCHAR,
+    node_idx   INTEGER,
+    traj_id    VARCHAR,
+    turn_start INTEGER,          -- turns [turn_start, turn_end) of the trajectory
+    turn_end   INTEGER
+);
+
+CREATE TABLE xtree_bonus (
+    tree_id         VARCHAR,
+    run_id          VARCHAR,
+    round           INTEGER,
+    step            VARCHAR,
+    traj_id         VARCHAR,
+    group_id        VARCHAR,
+    verifier_reward DOUBLE,      -- the env's reward, as stored in trajectories (never changed)
+    win_rate        DOUBLE,      -- the group's success rate
+    lambda_g        DOUBLE,      -- bonus_lambda · (1 - win_rate)
+    n_nodes         INTEGER,     -- nodes the share is taken over (the task type's)
+    executed        INTEGER[],   -- node_idx of the nodes whose span the rollout contains
+    share           DOUBLE,      -- B
+    bonus           DOUBLE       -- lambda_g · B; the GRPO reward is verifier_reward + bonus
+);
+"""
+
 MIGRATIONS: list[tuple[int, str, str]] = [
     (1, "initial schema", INITIAL_SCHEMA),
     (2, "SRD notes and foresight pairs", SRD_TABLES),
     (3, "per-step metrics (each method's figures of the distill step)", STEP_METRICS),
     (4, "sampled tokens' logprobs after temperature only (mismatch correction)", TEMP_LOGPROBS),
     (5, "run leases: one round of a run at a time", LEASES),
+    (6, "X-Tree trees, nodes, occurrences and online bonuses", XTREE_TABLES),
 ]
 
 

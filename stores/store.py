@@ -545,6 +545,42 @@ class Store:
                          [run_id, round], json_cols=("student_messages", "teacher_messages"))
         return {r["foresight_id"]: r for r in rows}
 
+    def xtree_corpus(self, run_id: str, first_round: int, last_round: int) -> list[dict]:
+        """X-Tree's corpus: the run's training rollouts (generate step) of rounds first_round..last_round, each with
+        traj_id, round, group_id, task_type, status, success, reward and `symbols`, its turns' canonical action
+        symbols in turn order; by round, then traj_id."""
+        return self.rows("SELECT t.traj_id, t.round, t.group_id, k.task_type, t.status, t.success, t.reward,"
+                         " coalesce(list(u.action_symbol ORDER BY u.turn_idx)"
+                         "   FILTER (WHERE u.turn_idx IS NOT NULL), []) AS symbols"
+                         " FROM trajectories t"
+                         " LEFT JOIN tasks k ON k.task_id = t.task_id AND k.run_id = t.run_id AND k.round = t.round"
+                         "   AND k.step = t.step"
+                         " LEFT JOIN turns u ON u.traj_id = t.traj_id AND u.run_id = t.run_id AND u.round = t.round"
+                         "   AND u.step = t.step"
+                         " WHERE t.run_id = ? AND t.step = 'generate' AND t.round BETWEEN ? AND ?"
+                         " GROUP BY ALL ORDER BY t.round, t.traj_id", [run_id, first_round, last_round])
+
+    def xtree_tree(self, run_id: str, round: int | None = None) -> dict | None:
+        """The X-Tree a round mined (params parsed), or with round None the run's latest; None if there is none."""
+        sql = "SELECT * FROM xtree_trees WHERE run_id = ?"
+        params: list = [run_id]
+        if round is not None:
+            sql += " AND round = ?"
+            params.append(round)
+        rows = self.rows(sql + " ORDER BY round DESC LIMIT 1", params, json_cols=("params",))
+        return rows[0] if rows else None
+
+    def xtree_latest_before(self, run_id: str, round: int) -> dict | None:
+        """The run's newest X-Tree of a round before `round` (params parsed), or None."""
+        rows = self.rows("SELECT * FROM xtree_trees WHERE run_id = ? AND round < ? ORDER BY round DESC LIMIT 1",
+                         [run_id, round], json_cols=("params",))
+        return rows[0] if rows else None
+
+    def xtree_nodes(self, tree_id: str) -> list[dict]:
+        """A tree's nodes in merge order (task_types parsed)."""
+        return self.rows("SELECT * FROM xtree_nodes WHERE tree_id = ? ORDER BY node_idx", [tree_id],
+                         json_cols=("task_types",))
+
     def latest_heldout(self, run_id: str, model_id: str | None) -> dict | None:
         """A model's newest held-out evaluation over all task types: success_rate, ci_low, ci_high, n,
         successes, tokens_per_success; None if it has none."""

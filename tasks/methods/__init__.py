@@ -23,6 +23,7 @@ METHODS: dict[str, str] = {
     "exit": "tasks.methods.exit:ExIt",
     "srd": "tasks.methods.srd:SRD",
     "grpo": "tasks.methods.grpo:GRPO",
+    "xtree": "tasks.methods.xtree:XTree",
 }
 
 

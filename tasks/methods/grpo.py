@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from statistics import mean
 
+from configs.schema import ConfigError
 from methods.groups import group_counts, group_stats
 from methods.grpo import trajectory_advantages
 from tasks.methods.base import Contribution, DistillContext, Method, num
@@ -23,10 +24,17 @@ class GRPO(Method):
     def distill(self, ctx: DistillContext, inputs) -> Contribution:
         c = self.cfg.distill.grpo
         played = [t for t in ctx.trajectories if t["status"] != "error" and t["n_turns"]]
-        adv = trajectory_advantages(played, c.advantage, c.eps)
+        # X-Tree's online bonus, written on the trajectories by its distill (distill.xtree.bonus, xtree before grpo)
+        bonus = {t["traj_id"]: t["xtree"]["bonus"] for t in played if "xtree" in t}
+        if self.cfg.distill.xtree.bonus and played and not bonus:
+            raise ConfigError("distill.xtree.bonus is on but no X-Tree bonus reached GRPO: list xtree before grpo "
+                              f"in distill.methods (now {self.cfg.distill.methods})")
+        adv = trajectory_advantages(played, c.advantage, c.eps, bonus)
         rows = [{"example_id": f"{t['traj_id']}/grpo", "method": self.name, "source_traj_id": t["traj_id"],
                  "messages": t["messages"], "weight": 1.0,
                  "meta": {"advantage": adv[t["traj_id"]], "group_id": t["group_id"], "reward": t["reward"],
+                          **({"xtree_bonus": bonus[t["traj_id"]],
+                              "shaped_reward": float(t["reward"] or 0.0) + bonus[t["traj_id"]]} if bonus else {}),
                           "train_from": t["train_from"], **({"tools": ctx.tools} if ctx.tools else {})}}
                 for t in played]
         counts = group_counts(group_stats(played)) if played else {}
