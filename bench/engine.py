@@ -156,7 +156,7 @@ def replay_vllm(args, path, backend: HFBackend, rec: Recorder, params: SamplingP
         prompt_total += sum(len(p) for p in prompts)
     rate = generated / seconds
     processed = (prefilled + generated) / seconds
-    n = len({id(c) for c in rec.calls}) and args.episodes
+    n = args.episodes
     print(f"vllm     : engine start {start_s:.0f} s (this process: {vb.start_seconds} s in the engine)")
     print(f"vllm     : {generated} tokens (hf sampled {sampled}) in {seconds:.2f} s = {rate:.1f} tok/s "
           f"= {rate / hf_rate:.2f}x the hf engine's {hf_rate:.1f}")
