@@ -283,10 +283,11 @@ def mine(traces: list[Trace], params: MineParams = MineParams()) -> Tree:
                 i += 1
                 batch.append(positions[i])
             i += 1
+            # the window whose counted pairs can change: a neighbour of another token keeps its run as it is
             p = prv[batch[0]]
-            left = run_start(p) if p >= 0 else batch[0]
+            left = batch[0] if p < 0 else p if tok[p] != a else run_start(p)
             n = nxt[nxt[batch[-1]]]
-            right = run_end(n) if n >= 0 else -1
+            right = -1 if n < 0 else n if tok[n] != b else run_end(n)
             for q in counted(left, right):
                 remove(q)
             for q in batch:
