@@ -13,7 +13,8 @@ Streams (each trace a trajectory):
 
 Timings on each stream, in the same run:
 - `own X`: methods.xtree.mine with METHODS.md §3's defaults (X = f · len · (succ + 0.05), f − 1 > 1 + 0.5 len,
-  depth ≤ 6, no node cap): the miner the pipeline runs;
+  depth ≤ 6), until no merge is admissible (the nodes grow with the corpus), and `own X 256` with the pipeline's
+  default cap of 256 nodes (distill.xtree.max_nodes);
 - `own BPE`: the same code with the score plain BPE uses (X = f, f ≥ 3, depth ≤ 64), capped at the merges of
   `own X`;
 - `HF BPE`: `tokenizers.trainers.BpeTrainer` (Rust) on the same traces (one character per symbol, one "word"
@@ -111,13 +112,15 @@ def same_prefix(a: list, b: list) -> int:
 
 def measure(name: str, traces: list[Trace], planted: list[tuple[str, ...]] | None) -> dict:
     tree, wall, cpu = timed(lambda: mine(traces))
+    capped, _, cap_cpu = timed(lambda: mine(traces, MineParams(max_nodes=256)))
     bpe, bpe_wall, bpe_cpu = timed(lambda: mine(traces, MineParams(**{**vars(PLAIN_BPE),
                                                                        "max_nodes": max(len(tree.nodes), 1)})))
     hf, hf_wall, hf_cpu = hf_bpe(traces, len(bpe.nodes))
     own = [n.span for n in bpe.nodes]
     row = {"stream": name, "symbols": tree.n_symbols, "traces": tree.n_traces, "alphabet": len(tree.alphabet),
            "nodes": len(tree.nodes), "depth": max((n.depth for n in tree.nodes), default=0),
-           "own_x_wall": wall, "own_x_cpu": cpu, "own_bpe_wall": bpe_wall, "own_bpe_cpu": bpe_cpu,
+           "own_x_wall": wall, "own_x_cpu": cpu, "own_cap_cpu": cap_cpu, "own_bpe_wall": bpe_wall,
+           "own_bpe_cpu": bpe_cpu,
            "hf_wall": hf_wall, "hf_cpu": hf_cpu, "bpe_merges": len(own), "same_merges": same_prefix(own, hf),
            "same_set": len(set(own) & set(hf))}
     if planted is not None:
@@ -135,13 +138,14 @@ def exponent(rows: list[dict], key: str) -> float | None:
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| stream | symbols | traces | nodes (depth) | own X: wall / CPU s | own BPE: CPU s | "
+    lines = ["| stream | symbols | traces | nodes (depth) | own X: wall / CPU s | own X 256: CPU s | own BPE: CPU s | "
              "HF BPE: wall / CPU s | own X / HF (CPU) | own BPE / HF (CPU) | same merges (in order / as a set) | "
              "planted found |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['stream']} | {r['symbols']:,} | {r['traces']:,} | {r['nodes']} ({r['depth']}) | "
-                     f"{r['own_x_wall']:.2f} / {r['own_x_cpu']:.2f} | {r['own_bpe_cpu']:.2f} | "
+                     f"{r['own_x_wall']:.2f} / {r['own_x_cpu']:.2f} | {r['own_cap_cpu']:.2f} | "
+                     f"{r['own_bpe_cpu']:.2f} | "
                      f"{r['hf_wall']:.2f} / {r['hf_cpu']:.2f} | {r['own_x_cpu'] / r['hf_cpu']:.1f}x | "
                      f"{r['own_bpe_cpu'] / r['hf_cpu']:.1f}x | {r['same_merges']} / {r['same_set']} of "
                      f"{r['bpe_merges']} | {r.get('planted_found', '-')} |")
@@ -191,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
             group.append(row)
         if len(group) > 1:
             print(f"{kind}: growth exponent (CPU s against symbols) own X {exponent(group, 'own_x_cpu'):.2f}, "
+                  f"own X 256 {exponent(group, 'own_cap_cpu'):.2f}, "
                   f"own BPE {exponent(group, 'own_bpe_cpu'):.2f}, HF BPE {exponent(group, 'hf_cpu'):.2f}", flush=True)
         rows += group
     print()
