@@ -304,6 +304,16 @@ class TrainConfig(_Section):
     warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="Share of steps for linear warmup.")
     lr_scheduler: str = Field("constant", description="transformers scheduler name ('constant', 'cosine', 'linear').")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="Optional LoRA training.")
+    report_to: list[Literal["tensorboard", "wandb", "trackio", "mlflow", "comet_ml", "neptune", "clearml", "dvclive",
+                            "swanlab", "azure_ml", "codecarbon", "dagshub", "flyte", "kubeflow"]] = Field(
+        default_factory=list, description="Trackers that get the training metrics (loss, "
+        "learning rate, grad norm per step) through TRL's report_to: e.g. [tensorboard] (event files under "
+        "<run_dir>/tensorboard/round-<n>, offline), [wandb] or [trackio] (their own settings: WANDB_PROJECT, "
+        "WANDB_MODE=offline, ...; the package must be installed). Empty = none.")
+    keep_candidates: int = Field(0, ge=0, description="Retention: checkpoints of the last N rounds' candidates are "
+        "kept whatever the gate decided; a rejected candidate older than that is deleted after its gate (recorded "
+        "in the store's deleted_checkpoints). The champion lineage (base and every promoted candidate) is always "
+        "kept. 0 = delete every rejected checkpoint after its gate.")
 
 
 class GateConfig(_Section):
@@ -350,6 +360,10 @@ class PrefectConfig(_Section):
 
     cron: str | None = Field(None, description="Cron schedule of the `improvement-round/<run.name>` deployment "
         "`rsiflow serve` registers (e.g. '0 */6 * * *'); none = on demand (serving clears an existing schedule).")
+    step_timeout_s: float | None = Field(None, gt=0, description="Most seconds one step (a Prefect task) may run "
+        "before it fails with a timeout (and is retried, see retries); null = no limit.")
+    retries: int = Field(1, ge=0, le=10, description="Times a failed step is run again (10 s apart) before the round "
+        "fails; every step replaces its rows when run again. Config errors are not retried.")
 
 
 class Config(_Section):

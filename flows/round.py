@@ -11,11 +11,16 @@ created is renamed once the round holds the lease. Composition only: the work is
 
 from __future__ import annotations
 
+import concurrent.futures
+
 from prefect import flow, get_run_logger
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import State
 from prefect.context import FlowRunContext
+from prefect.futures import PrefectConcurrentFuture
+from prefect.utilities.annotations import quote
 
-from configs.schema import Config, load_config
+from configs.schema import Config, ConfigError, load_config
 from flows.lease import run_lease
 from tasks.common import STEPS, open_store
 from tasks.deploy import redeploy
@@ -71,13 +76,37 @@ def run_round(cfg: Config, lease_wait_s: float = 0.0) -> dict:
         logger.info("round %d of run %r starting: champion %s", round, run_id, champion)
         if done:
             logger.info("resuming round %d of run %r: %s already completed", round, run_id, sorted(done))
-        results = {}
+        results, previous = {}, None
         for step in STEPS:
             if step in done:
                 continue
             lease.check()
-            results[step] = STEP_TASKS[step](cfg, round)
+            # The UI's task graph shows the step order: each step waits for the previous one. Prefect would also
+            # draw an edge from any object in a task's inputs that an earlier task returned (matched by id, e.g.
+            # an interned string), so cfg is quoted (neither searched nor copied) and the previous step is passed
+            # as a finished future (a state would be searched, result included).
+            state = step_task(cfg, step)(quote(cfg), round, wait_for=[finished(previous)] if previous else None,
+                                         return_state=True)
+            results[step], previous = state.result(), state
     return {"round": round, "skipped": sorted(done), "results": results}
+
+
+def finished(state: State) -> PrefectConcurrentFuture:
+    """A finished task run's state as a future, for `wait_for`."""
+    done = concurrent.futures.Future()
+    done.set_result(state)
+    return PrefectConcurrentFuture(state.state_details.task_run_id, done)
+
+
+def _retry(task, task_run, state) -> bool:
+    """Retry a failed step unless a config error failed it (it would fail the same way again)."""
+    return not isinstance(state.result(raise_on_failure=False), ConfigError)
+
+
+def step_task(cfg: Config, step: str):
+    """The step's task with the config's retries (every step replaces its rows when run again) and timeout."""
+    return STEP_TASKS[step].with_options(retries=cfg.prefect.retries, retry_delay_seconds=10,
+                                         retry_condition_fn=_retry, timeout_seconds=cfg.prefect.step_timeout_s)
 
 
 # List defaults (never mutated) are what Prefect shows in the deployment's run form.

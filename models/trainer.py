@@ -47,6 +47,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -397,7 +398,8 @@ class StoredRolloutGRPOTrainer(RowLoss, GRPOTrainer):
         return loss
 
 
-def grpo_args(cfg, policy: PolicyLoss, out_dir: str, seed: int, n_rows: int, use_cpu: bool, bf16: bool):
+def grpo_args(cfg, policy: PolicyLoss, out_dir: str, seed: int, n_rows: int, use_cpu: bool, bf16: bool,
+              report: dict | None = None):
     """TRL's GRPOConfig for training on stored rows: the micro-batch is the largest divisor of the row count
     not above train.batch_size (every micro-batch full); TRL's sampling settings are unused."""
     bs = max(d for d in range(1, min(cfg.batch_size, n_rows) + 1) if n_rows % d == 0)
@@ -408,9 +410,20 @@ def grpo_args(cfg, policy: PolicyLoss, out_dir: str, seed: int, n_rows: int, use
         loss_type=policy.loss_type, epsilon=policy.epsilon, epsilon_high=policy.epsilon_high, beta=0.0,
         temperature=policy.temperature, max_completion_length=cfg.max_length, num_iterations=1,
         warmup_steps=cfg.warmup_ratio, lr_scheduler_type=cfg.lr_scheduler, seed=seed, use_cpu=use_cpu, bf16=bf16,
-        fp16=False, logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
-        remove_unused_columns=False, log_completions=False,
+        fp16=False, logging_steps=1, save_strategy="no", disable_tqdm=True,
+        remove_unused_columns=False, log_completions=False, **(report or {"report_to": []}),
     )
+
+
+def _log_to(trainer, log_dir: str | Path | None) -> None:
+    """TensorBoard writes into `log_dir` (transformers would write into the trainer's temporary output folder)."""
+    from transformers.integrations import TensorBoardCallback
+
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, TensorBoardCallback):
+            if log_dir is None:
+                raise ValueError("train.report_to has tensorboard but no folder for its event files was given")
+            callback.logging_dir = str(log_dir)
 
 
 class _ProgressCallback(TrainerCallback):
@@ -432,6 +445,8 @@ def train_candidate(
     distill: DistillLoss | None = None,
     policy: PolicyLoss | None = None,
     trust_remote_code: bool = False,
+    log_dir: str | Path | None = None,
+    run_name: str | None = None,
 ) -> tuple[dict[str, Any], list]:
     """Train a candidate from `model_path` on training rows (kind "sft", "distill" or "pg") and save a full
     checkpoint (LoRA merged) to `out_dir`. With "pg" rows the trainer is `StoredRolloutGRPOTrainer` (TRL's
@@ -444,6 +459,10 @@ def train_candidate(
     rows, those trained and skipped (zero advantage), their action tokens, the policy loss and clip ratio
     (mean over steps), and the rollout/trainer mismatch (mean |Δ logprob|, KL(sampler ‖ trainer), the share
     of capped tokens, the mean correction weight). With no usable rows the candidate is a copy of the parent.
+
+    Training metrics go to the trackers of `cfg.report_to` (TRL's report_to) under `run_name`; TensorBoard writes
+    its event files into `log_dir`. The trainer's own output folder is temporary: it saves no checkpoint (the
+    candidate is saved to `out_dir` once, at the end).
     """
     from datasets import Dataset
 
@@ -472,7 +491,8 @@ def train_candidate(
         return metrics, []
     use_cpu = not torch.cuda.is_available()
     bf16 = (dtype == "bfloat16") and not use_cpu
-    trainer_dir = str(Path(out_dir).parent / (Path(out_dir).name + ".trainer"))
+    trainer_dir = tempfile.TemporaryDirectory(prefix="rsiflow-trainer-")  # removed after training (or at exit)
+    report = {"report_to": list(cfg.report_to), "run_name": run_name}
     peft_config = None
     if cfg.lora.enabled:
         from peft import LoraConfig as PeftLoraConfig
@@ -482,7 +502,7 @@ def train_candidate(
     model.train()
     callbacks = [_ProgressCallback(on_step)] if on_step else None
     if pg:
-        args = grpo_args(cfg, policy, trainer_dir, seed, len(pg), use_cpu, bf16)
+        args = grpo_args(cfg, policy, trainer_dir.name, seed, len(pg), use_cpu, bf16, report)
         trainer = StoredRolloutGRPOTrainer(model=model, args=args, processing_class=tokenizer, peft_config=peft_config,
                                            callbacks=callbacks, pg_rows=pg, aux_rows=encoded, policy=policy,
                                            distill=distill)
@@ -491,7 +511,7 @@ def train_candidate(
         used_ids = [r["example_id"] for r in pg] + [r["example_id"] for r in encoded]
     else:
         args = SFTConfig(
-            output_dir=trainer_dir,
+            output_dir=trainer_dir.name,
             learning_rate=cfg.learning_rate,
             num_train_epochs=cfg.epochs,
             per_device_train_batch_size=cfg.batch_size,
@@ -505,16 +525,18 @@ def train_candidate(
             fp16=False,
             logging_steps=1,
             save_strategy="no",
-            report_to=[],
             disable_tqdm=True,
             dataset_num_proc=None,
+            **report,
         )
         dataset = Dataset.from_list(encoded)
         used_ids = list(dataset["example_id"])
         trainer = RoundTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                                peft_config=peft_config, callbacks=callbacks,
                                data_collator=RowCollator(pad_token_id=tokenizer.pad_token_id), distill=distill)
+    _log_to(trainer, log_dir)
     result = trainer.train()
+    trainer_dir.cleanup()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     trained = trainer.model
     if cfg.lora.enabled:

@@ -318,6 +318,20 @@ CREATE TABLE xtree_bonus (
 );
 """
 
+RETENTION = """
+-- Checkpoints deleted by the retention rule (train.keep_candidates): no `step` column, so a step rerun never
+-- clears the record of a folder that is gone.
+CREATE TABLE deleted_checkpoints (
+    model_id    VARCHAR PRIMARY KEY,
+    run_id      VARCHAR,
+    round       INTEGER,     -- the round whose deploy step deleted it
+    path        VARCHAR,
+    bytes       BIGINT,      -- size of the folder when it was deleted (NULL: it was already gone)
+    reason      VARCHAR,
+    deleted_at  TIMESTAMP
+);
+"""
+
 MIGRATIONS: list[tuple[int, str, str]] = [
     (1, "initial schema", INITIAL_SCHEMA),
     (2, "SRD notes and foresight pairs", SRD_TABLES),
@@ -325,6 +339,7 @@ MIGRATIONS: list[tuple[int, str, str]] = [
     (4, "sampled tokens' logprobs after temperature only (mismatch correction)", TEMP_LOGPROBS),
     (5, "run leases: one round of a run at a time", LEASES),
     (6, "X-Tree trees, nodes, occurrences and online bonuses", XTREE_TABLES),
+    (7, "checkpoints deleted by retention", RETENTION),
 ]
 
 

@@ -620,6 +620,23 @@ class Store:
         return self.rows("SELECT round, step, status, started_at, finished_at, error FROM steps"
                          " WHERE run_id = ? ORDER BY round, started_at", [run_id])
 
+    # ---- retention ------------------------------------------------------------------------
+
+    def expired_checkpoints(self, run_id: str, keep_candidates: int) -> list[dict]:
+        """Rejected candidates of the run older than its last `keep_candidates` trained candidates whose
+        deletion is not recorded yet: model_id, round, path. Base and champions (the lineage) are never listed."""
+        return self.rows(
+            "WITH c AS (SELECT model_id, round, path, role, row_number() OVER (ORDER BY round DESC) AS newest"
+            " FROM models WHERE run_id = ? AND role IN ('candidate', 'champion', 'rejected') AND parent_id IS NOT NULL)"
+            " SELECT model_id, round, path FROM c WHERE role = 'rejected' AND newest > ?"
+            " AND model_id NOT IN (SELECT model_id FROM deleted_checkpoints) ORDER BY round",
+            [run_id, keep_candidates])
+
+    def deleted_checkpoints(self, run_id: str) -> list[dict]:
+        """The run's checkpoints deleted by retention: model_id, round, path, bytes, reason, deleted_at."""
+        return self.rows("SELECT model_id, round, path, bytes, reason, deleted_at FROM deleted_checkpoints"
+                         " WHERE run_id = ? ORDER BY round, model_id", [run_id])
+
     # ---- lineage --------------------------------------------------------------------------
 
     def trajectory_lineage(self, run_id: str) -> list[dict]:

@@ -7,6 +7,7 @@ step run again writes the same ids and replaces its rows.
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
@@ -108,22 +109,53 @@ def prompt_setup(cfg: Config) -> tuple[list[dict], list[dict] | None]:
         env.close()
 
 
+class StepProgress:
+    """A Prefect progress artifact of the current task run, shown in the UI while the step runs (nothing
+    outside a task run). Updates are sent at most every `every_s` seconds, the last one always."""
+
+    def __init__(self, description: str, every_s: float = 2.0):
+        from prefect.artifacts import create_progress_artifact
+        from prefect.context import TaskRunContext
+
+        self.every_s, self.sent_at = every_s, time.monotonic()
+        self.id = create_progress_artifact(0.0, description=description) if TaskRunContext.get() else None
+
+    def update(self, done: float, total: float, description: str, last: bool = False) -> None:
+        from prefect.artifacts import update_progress_artifact
+
+        if self.id is None or (not last and time.monotonic() - self.sent_at < self.every_s):
+            return
+        self.sent_at = time.monotonic()
+        update_progress_artifact(self.id, progress=100.0 * min(done / total, 1.0) if total else 100.0,
+                                 description=description)
+
+
 class TurnProgress:
-    """A tqdm bar over turns of a lockstep batch, showing live episodes and generated tokens/s."""
+    """Progress over turns of a lockstep batch (live episodes, generated tokens/s): a tqdm bar where the step
+    runs and a Prefect progress artifact in the UI."""
 
     def __init__(self, desc: str, max_turns: int):
         from tqdm.auto import tqdm
 
+        self.desc, self.max_turns = desc, max_turns
         self.bar = tqdm(total=max_turns, desc=desc, unit="turn", leave=False)
+        self.ui = StepProgress(f"{desc}: starting")
         self.tokens = 0
+        self.live = 0
 
     def __call__(self, tokens: int, live: int) -> None:
         self.tokens += tokens
+        self.live = live
         rate = self.tokens / max(self.bar.format_dict["elapsed"], 1e-9)
         self.bar.set_postfix(live=live, tok_s=f"{rate:.1f}")
         self.bar.update(1)
+        self.ui.update(self.bar.n, self.max_turns, f"{self.desc}: turn {self.bar.n} of at most {self.max_turns}, "
+                       f"{live} episodes still playing, {self.tokens} tokens ({rate:.1f}/s)")
 
     def close(self) -> None:
+        rate = self.tokens / max(self.bar.format_dict["elapsed"], 1e-9)
+        self.ui.update(1, 1, f"{self.desc}: done after {self.bar.n} turns, {self.tokens} tokens ({rate:.1f}/s)",
+                       last=True)
         self.bar.close()
 
 

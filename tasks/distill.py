@@ -39,5 +39,7 @@ def distill_examples(cfg: Config, round: int) -> dict:
                 tx.insert(table, rows)
         tx.metrics({name: c.metrics for name, c in contributions.items()})
     counts = {name: len(c.examples) for name, c in contributions.items()}
-    get_run_logger().info("round %d distill: examples %s", round, counts)
+    get_run_logger().info("round %d distill: %d training examples from %d trajectories (%s)", round,
+                          sum(counts.values()), len(ctx.trajectories),
+                          ", ".join(f"{name} {n}" for name, n in counts.items()))
     return {"examples": counts, "metrics": {name: c.metrics for name, c in contributions.items()}}

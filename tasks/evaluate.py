@@ -40,5 +40,9 @@ def evaluate_rollouts(cfg: Config, round: int) -> dict:
                              f"{run_id}/r{round}/evaluate")
         with store.step(run_id, round, "evaluate", started) as tx:
             tx.insert("evaluations", evals)
-    get_run_logger().info("round %d groups: %s", round, counts)
+    total = next(e for e in evals if e["task_type"] == "*")
+    get_run_logger().info(
+        "round %d evaluate: %d groups: %d all-fail, %d all-pass, %d mixed; champion's train success %d/%d "
+        "[%.2f, %.2f]", round, counts["groups"], counts["all_fail"], counts["all_pass"], counts["mixed"],
+        total["successes"], total["n"], total["ci_low"], total["ci_high"])
     return counts

@@ -36,5 +36,10 @@ def generate_rollouts(cfg: Config, round: int) -> dict:
     summary = {"episodes": len(episodes), "successes": sum(e.success for e in episodes),
                "errors": sum(e.status == "error" for e in episodes),
                "gen_tokens": sum(e.gen_tokens for e in episodes)}
-    get_run_logger().info("round %d generate: %s", round, summary)
+    seconds = (utcnow() - started).total_seconds()
+    get_run_logger().info(
+        "round %d generate: %s played %d tasks x %d rollouts = %d episodes: %d succeeded, %d errors; "
+        "%d tokens in %.0f s (%.1f tokens/s)", round, champion, len(task_specs), cfg.generate.group_size,
+        summary["episodes"], summary["successes"], summary["errors"], summary["gen_tokens"], seconds,
+        summary["gen_tokens"] / max(seconds, 1e-9))
     return summary

@@ -39,6 +39,8 @@ def round_rows(store: Store, run_id: str) -> list[dict]:
             "champion_heldout": store.latest_heldout(run_id, d["champion_id"]),
             "candidate_heldout": store.latest_heldout(run_id, d["candidate_id"]),
             "decision": d["decision"],
+            "rule": d["rule"],
+            **{k: (d["evidence"] or {}).get(k) for k in ("wins", "losses", "p_value")},
             "champion_after": d["new_champion_id"],
             "step_seconds": {step: round(s, 1) for step, s in store.step_seconds(run_id, r).items()},
         })
@@ -87,6 +89,34 @@ def markdown_table(run_id: str, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _short(h: dict | None) -> str:
+    return f"{h['successes']}/{h['n']} [{h['ci_low']:.2f}, {h['ci_high']:.2f}]" if h else "-"
+
+
+def heldout_line(rows: list[dict], most: int = 8) -> str:
+    """The held-out success of the serving model round after round, in one line (the first and the last
+    `most` - 1 entries when there are more): 'base 0/24 [0.00, 0.14] → round 1 1/24 [0.01, 0.20] → ...'."""
+    series = [f"{label} {_short(h)}" for label, h in heldout_series(rows)]
+    if len(series) > most:
+        series = [series[0], "…", *series[-(most - 1):]]
+    return " → ".join(series)
+
+
+def round_table(rows: list[dict]) -> list[dict]:
+    """One row per round for the Prefect table artifact: held-out success with its interval, the decision with
+    its paired evidence, examples and wall time; short cells so the table fits the UI."""
+    table = []
+    for r in rows:
+        paired = "-" if r.get("wins") is None else f"{r['wins']} / {r['losses']}"
+        if r.get("p_value") is not None:
+            paired += f" (p {r['p_value']:.2g})"
+        table.append({"round": r["round"], "champion held-out": _short(r["champion_heldout"]),
+                      "candidate held-out": _short(r["candidate_heldout"]),
+                      "decision": f"{r['decision']} ({r['rule']})", "wins / losses": paired,
+                      "examples": r["examples"], "wall time": f"{sum(r['step_seconds'].values()):.0f} s"})
+    return table
+
+
 def plot_png(run_id: str, rows: list[dict], path: Path) -> Path:
     import matplotlib
 
@@ -116,9 +146,10 @@ def plot_png(run_id: str, rows: list[dict], path: Path) -> Path:
     return path
 
 
-def write_report(store: Store, run_id: str, folder: Path) -> tuple[Path, Path, str]:
-    """Write report.md and heldout.png into `folder`; return their paths and the markdown."""
-    rows = round_rows(store, run_id)
+def write_report(store: Store, run_id: str, folder: Path, rows: list[dict] | None = None) -> tuple[Path, Path, str]:
+    """Write report.md and heldout.png into `folder` (from `rows`, default: `round_rows` read now); return
+    their paths and the markdown."""
+    rows = round_rows(store, run_id) if rows is None else rows
     md = markdown_table(run_id, rows)
     folder.mkdir(parents=True, exist_ok=True)
     md_path = folder / "report.md"
