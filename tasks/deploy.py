@@ -35,15 +35,16 @@ def gate_facts(decision: dict) -> dict:
     return facts
 
 
-def expire_checkpoints(cfg: Config, round: int, expired: list[dict]) -> list[dict]:
-    """Delete the folders of `expired` checkpoints (`Store.expired_checkpoints`) that lie under the run's
-    models folder; return their `deleted_checkpoints` rows. A folder already gone (a rerun) is recorded too."""
+def expire_checkpoints(cfg: Config, round: int, expired: list[dict]) -> tuple[list[dict], list[str]]:
+    """Delete the folders of `expired` checkpoints (`Store.expired_checkpoints`) that lie under the run's models
+    folder. Returns their `deleted_checkpoints` rows (a folder already gone, after a rerun, is recorded too) and
+    the paths left alone because they are elsewhere (e.g. written under an earlier run.run_dir)."""
     models = (run_dir(cfg) / "models").resolve()
-    rows = []
+    rows, elsewhere = [], []
     for m in expired:
         path = Path(m["path"]).resolve()
         if models not in path.parents:
-            get_run_logger().warning("retention: %s is not under %s; not deleting it", path, models)
+            elsewhere.append(str(path))
             continue
         size = None
         if path.exists():
@@ -52,7 +53,7 @@ def expire_checkpoints(cfg: Config, round: int, expired: list[dict]) -> list[dic
         rows.append({"model_id": m["model_id"], "run_id": cfg.run.name, "round": round, "path": str(path),
                      "bytes": size, "deleted_at": utcnow(),
                      "reason": f"rejected in round {m['round']}; train.keep_candidates={cfg.train.keep_candidates}"})
-    return rows
+    return rows, elsewhere
 
 
 @task(name="deploy", cache_policy=NONE)
@@ -72,7 +73,9 @@ def redeploy(cfg: Config, round: int) -> dict:
     record = backend_for(cfg, previous_path).serve(path)
     if candidate_path and served and Path(candidate_path, "README.md").is_file():
         update_model_card(candidate_path, gate=gate_facts(served[-1]))
-    deleted = expire_checkpoints(cfg, round, expired)
+    deleted, elsewhere = expire_checkpoints(cfg, round, expired)
+    for path in elsewhere:
+        get_run_logger().warning("retention: %s is not under this run's models folder; not deleting it", path)
     with open_store(cfg) as store:
         rows = round_rows(store, run_id)
         this = {r["round"]: r for r in rows}.get(round, {})
