@@ -34,6 +34,7 @@ import contextlib
 import json
 import os
 import secrets
+import signal
 import subprocess
 import tempfile
 import time
@@ -77,12 +78,13 @@ class _EngineProcess:
         self.socket = os.path.join(self.dir, "engine.sock")
         self.log_path = os.path.join(self.dir, "engine.log")
         key = secrets.token_hex(16)
-        env = {**os.environ, "RSIFLOW_ENGINE_KEY": key,
+        env = {**os.environ, "RSIFLOW_ENGINE_KEY": key, "RSIFLOW_PARENT_PID": str(os.getpid()),
                "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen([python, "-m", "models.vllm_engine", "--socket", self.socket,
                                           "--options", json.dumps(options)],
-                                         cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                                         cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)  # its own process group: vLLM's children too
         deadline = time.monotonic() + start_timeout
         while True:
             if self.proc.poll() is not None:
@@ -115,16 +117,17 @@ class _EngineProcess:
         return reply.get("result")
 
     def close(self) -> None:
+        """Stop the engine, then kill whatever is left of its process group (vLLM's engine-core and workers)."""
         with contextlib.suppress(Exception):
             self.call("stop")
         with contextlib.suppress(Exception):
             self.conn.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
 
 
 class _EngineInProcess:

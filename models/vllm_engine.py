@@ -30,6 +30,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from multiprocessing.connection import Listener
 
@@ -101,13 +102,26 @@ class Engine:
         return {"seconds": round(time.perf_counter() - start, 2)}
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when its parent dies (prctl PR_SET_PDEATHSIG), so an engine
-    never outlives the rsiflow process that started it."""
-    with contextlib.suppress(Exception):
-        import ctypes
+    def close(self) -> None:
+        """Stop vLLM's engine-core and worker processes."""
+        with contextlib.suppress(Exception):
+            self.llm.llm_engine.engine_core.shutdown()
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+def _die_with_parent() -> None:
+    """An engine never outlives the rsiflow process that started it: a watchdog thread notices when this
+    process's parent changes (the parent died; Linux reparents to init) and kills this process group (the
+    client starts the host in a session of its own), i.e. vLLM's engine-core and worker processes with it.
+    (prctl's parent-death signal would fire when the *thread* that started us exits: Prefect tasks run in
+    worker threads, so it could kill a live engine.)"""
+    parent = int(os.environ.get("RSIFLOW_PARENT_PID", os.getppid()))
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True, name="rsiflow-parent-watchdog").start()
 
 
 def serve_socket(socket_path: str, options: dict) -> None:
@@ -124,6 +138,7 @@ def serve_socket(socket_path: str, options: dict) -> None:
                     return
                 op = request.pop("op")
                 if op == "stop":
+                    engine.close()
                     conn.send_bytes(json.dumps({"ok": True}).encode())
                     return
                 try:

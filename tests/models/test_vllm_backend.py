@@ -160,3 +160,68 @@ def test_redeploy_serves_the_new_weights_in_place(vllm, hf, smollm2_path, tmp_pa
     assert [g.token_ids for g in after] != [g.token_ids for g in before]
     assert sum(a.token_ids == w.token_ids for a, w in zip(after, want)) >= len(PROMPTS) - 1
     assert vllm.serve(candidate)["action"] == "already serving"
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Pids whose process group is `pgid` (from /proc)."""
+    import os
+
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(entry))
+    return members
+
+
+def _wait_gone(pgid: int, seconds: float = 30.0) -> list[int]:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while _group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return _group_members(pgid)
+
+
+def test_an_engine_killed_parent_leaves_no_process(smollm2_path, tmp_path):
+    """kill -9 of the rsiflow process that started an engine: the engine host and vLLM's engine-core and worker
+    processes are gone within seconds (the host's watchdog kills its process group)."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import vllm_python
+
+    script = tmp_path / "hold.py"
+    script.write_text(
+        "import sys, time\n"
+        "from models import vllm_backend as vb\n"
+        f"b = vb.VLLMBackend.open({str(smollm2_path)!r}, python={vllm_python()!r}, kv_cache_gib=1, "
+        "enforce_eager=True)\n"
+        "print(vb._ENGINE.handle.proc.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    pgid = int(proc.stdout.readline())
+    assert len(_group_members(pgid)) >= 2  # the host and vLLM's engine-core (and workers)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert _wait_gone(pgid) == []
+
+
+def test_shutdown_leaves_no_process(vllm_backend, smollm2_path):
+    """Runs last in this file: stops the shared engine (the next user starts a new one) and checks its whole
+    process group is gone."""
+    from models import vllm_backend as vb
+
+    vllm_backend.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, temperature=0.0))
+    if not hasattr(vb._ENGINE.handle, "proc"):
+        pytest.skip("the engine runs in this process: no child process group")
+    pgid = vb._ENGINE.handle.proc.pid
+    vb.shutdown_engine()
+    assert _wait_gone(pgid, 10) == []
