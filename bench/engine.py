@@ -45,7 +45,9 @@ class Recorder:
         self.inner, self.calls, self.seconds = inner, [], 0.0
         self.model_path = inner.model_path
 
-    def generate(self, conversations, params):
+    def generate(self, conversations, params, tools=None):
+        if tools:
+            raise ValueError("bench.engine replays household episodes, whose env has no tool schemas")
         t0 = time.perf_counter()
         gens = self.inner.generate(conversations, params)
         self.seconds += time.perf_counter() - t0
