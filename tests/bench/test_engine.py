@@ -1,0 +1,23 @@
+"""bench.engine end to end at tiny size: the engine plays household episodes through the runner, the baseline
+replays its calls, and the figures are printed (the bench broke once when the runner gained an argument)."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_engine_prints_its_ratios():
+    out = subprocess.run([sys.executable, "-m", "bench.engine", "--model", "tiny:0", "--episodes", "2",
+                          "--max-turns", "2", "--max-new-tokens", "4", "--kv-reuse"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ratio = re.search(r"ratio    : engine / baseline = ([0-9.]+)", out.stdout)
+    prefill = re.search(r"prefill  : (\d+) prompt tokens per episode vs final context (\d+)", out.stdout)
+    assert ratio and float(ratio.group(1)) > 0
+    assert prefill and int(prefill.group(1)) > 0 and int(prefill.group(2)) > 0
