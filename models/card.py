@@ -21,7 +21,7 @@ def render_model_card(facts: dict[str, Any]) -> str:
     tags = ["rsiflow", *(f"rsiflow-{m}" for m in facts.get("methods", []))]
     front = yaml.safe_dump({"library_name": "transformers", "tags": tags, "rsiflow": facts}, sort_keys=False,
                            allow_unicode=True)
-    title = facts.get("model_id") or "rsiflow checkpoint"
+    title = facts.get("model_id") or facts.get("name") or "rsiflow checkpoint"
     lines = ["---", front.rstrip(), "---", "", f"# {title}", ""]
     if facts.get("parent_id"):
         lines += [f"A candidate trained by rsiflow in round {facts['round']} of run `{facts['run']}` from "

