@@ -9,11 +9,12 @@ Later files and overrides win key by key. Every error names the key path and the
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 
 class _Section(BaseModel):
@@ -21,20 +22,23 @@ class _Section(BaseModel):
 
 
 class RunConfig(_Section):
-    name: str = Field("default", description="Run name; rounds of a run with this name continue where it stopped.")
+    name: str = Field("default", description="Run name; rounds of a run with this name continue where it stopped. "
+        "1-64 letters, digits, '-', '_' and '.', starting with a letter or digit (it names a folder and Prefect "
+        "deployments).")
     store: str = Field("runs/rsiflow.duckdb", description="DuckDB file holding every artifact of every run.")
     run_dir: str = Field("runs/{name}", description="Folder for checkpoints and reports; `{name}` is the run name.")
     model_cache: str = Field("~/.cache/rsiflow", description="Folder for converted base checkpoints (the embedded "
         "SmolLM2, tiny test models), shared by runs.")
-    rounds: int = Field(2, ge=0, description="Rounds `rsiflow run` completes in total (resuming counts earlier "
-        "rounds).")
+    rounds: int = Field(2, ge=1, le=10_000, description="Rounds `rsiflow run` completes in total (resuming counts "
+        "earlier rounds).")
     seed: int = Field(0, description="Seed for task sampling, generation and training.")
 
     @field_validator("name")
     @classmethod
     def _safe_name(cls, v: str) -> str:
-        if not v or not all(c.isalnum() or c in "-_." for c in v):
-            raise ValueError("use letters, digits, '-', '_' and '.' only")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", v) or ".." in v:
+            raise ValueError(f"{v!r} is not a safe run name: use 1-64 letters, digits, '-', '_' and '.', starting "
+                             "with a letter or digit, no '..' (it names a folder)")
         return v
 
 
@@ -119,7 +123,8 @@ class BackendConfig(_Section):
     kind: str = Field("hf", description="Generation backend, a key of models.backend.BACKENDS: 'hf' (transformers "
         "generate, CPU or one GPU), 'vllm' (vLLM's engine, one per process), 'openai' (an OpenAI-compatible "
         "server). Its options are in the section of the same name.")
-    max_new_tokens: int = Field(24, ge=1, description="Most tokens per action.")
+    max_new_tokens: int = Field(24, ge=1, le=8192, description="Most tokens per action (at most 8192: a 135M model "
+        "on 2 CPU cores writes ~20 tokens/s).")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature for training rollouts (0 = greedy).")
     top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus sampling mass for training rollouts.")
     hf: HFBackendConfig = Field(default_factory=HFBackendConfig, description="Options of the 'hf' backend.")
@@ -150,7 +155,8 @@ class EnvConfig(_Section):
     name: str = Field("household", description="Built-in env name ('household') or 'package.module:Class' of your own "
         "Env.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the env's constructor.")
-    max_turns: int = Field(12, ge=1, description="Most agent turns per episode; an episode that reaches it fails.")
+    max_turns: int = Field(12, ge=1, le=500, description="Most agent turns per episode; an episode that reaches it "
+        "fails (at most 500).")
     show_admissible: bool = Field(True, description="List the env's admissible actions in every observation.")
     project_actions: bool = Field(
         False,
@@ -162,8 +168,10 @@ class EnvConfig(_Section):
 
 
 class GenerateConfig(_Section):
-    tasks_per_round: int = Field(8, ge=1, description="Train-split tasks sampled per round (new tasks every round).")
-    group_size: int = Field(4, ge=1, description="Rollouts per task (a group: same task, same seed).")
+    tasks_per_round: int = Field(8, ge=1, le=100_000, description="Train-split tasks sampled per round (new tasks "
+        "every round; at most 100,000).")
+    group_size: int = Field(4, ge=1, le=1024, description="Rollouts per task (a group: same task, same seed; at most "
+        "1024).")
 
 
 class ExitConfig(_Section):
@@ -184,10 +192,10 @@ class SrdConfig(_Section):
         "successful trajectories.")
     notes_per_group: int = Field(2, ge=1, description="Most failed (or successful) trajectories per group that get a "
         "note.")
-    note_max_tokens: int = Field(96, ge=8, description="Most tokens of one note written by the policy.")
+    note_max_tokens: int = Field(96, ge=8, le=8192, description="Most tokens of one note written by the policy.")
     note_temperature: float = Field(0.7, ge=0.0, description="Sampling temperature of the policy's notes.")
     foresight_samples: int = Field(1, ge=1, description="Foresight samples z the student draws per group with notes.")
-    foresight_max_tokens: int = Field(64, ge=8, description="Most tokens of one foresight sample z.")
+    foresight_max_tokens: int = Field(64, ge=8, le=8192, description="Most tokens of one foresight sample z.")
     foresight_temperature: float = Field(1.0, ge=0.0, description="Sampling temperature of the student's foresight.")
     action_channel: bool = Field(
         False,
@@ -296,7 +304,7 @@ class LoraConfig(_Section):
 
 class TrainConfig(_Section):
     learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate.")
-    epochs: float = Field(2.0, gt=0, description="Passes over the round's examples.")
+    epochs: float = Field(2.0, gt=0, le=1000, description="Passes over the round's examples (at most 1000).")
     batch_size: int = Field(4, ge=1, description="Examples per device step.")
     grad_accum: int = Field(1, ge=1, description="Gradient accumulation steps.")
     max_length: int = Field(2048, ge=16, description="Longest training sequence in tokens; longer examples are "
@@ -317,8 +325,8 @@ class TrainConfig(_Section):
 
 
 class GateConfig(_Section):
-    heldout_tasks: int = Field(24, ge=1, description="Held-out tasks both candidate and champion play (same tasks, "
-        "same seeds every round); with max_heldout_tasks, the size of the first look.")
+    heldout_tasks: int = Field(24, ge=1, le=100_000, description="Held-out tasks both candidate and champion play "
+        "(same tasks, same seeds every round; at most 100,000); with max_heldout_tasks, the size of the first look.")
     seed: int = Field(1234, description="Seed of the held-out task sample and of evaluation sampling.")
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature for evaluation (0 = greedy: repeatable).")
     rule: Literal["paired_test", "paired_margin", "no_worse", "better", "always"] = Field(
@@ -335,10 +343,11 @@ class GateConfig(_Section):
         "the champion may be promoted (one-sided level), over all looks together.")
     margin: int = Field(2, ge=1, description="paired_margin: wins - losses (tasks only the candidate solved minus "
         "tasks only the champion solved) needed to promote.")
-    max_heldout_tasks: int | None = Field(None, ge=1, description="paired_test: grow the held-out sample while the "
-        "result is inconclusive (the candidate ahead, not yet significant), by heldout_tasks at a time, up to this "
-        "many tasks; each look tests at alpha / looks (Bonferroni). null = no growth (the default: the gate's cost "
-        "stays fixed, and an env with a fixed held-out pool must not be asked for more tasks than it has).")
+    max_heldout_tasks: int | None = Field(None, ge=1, le=100_000, description="paired_test: grow the held-out "
+        "sample while the result is inconclusive (the candidate ahead, not yet significant), by heldout_tasks at a "
+        "time, up to this many tasks; each look tests at alpha / looks (Bonferroni). null = no growth (the default: "
+        "the gate's cost stays fixed, and an env with a fixed held-out pool must not be asked for more tasks than it "
+        "has).")
     confidence: float = Field(0.95, gt=0.5, lt=1.0, description="Confidence level of the Wilson intervals "
         "(reported for every rule; no_worse and better decide on them).")
 
@@ -377,10 +386,15 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="TRL training of the candidate.")
     gate: GateConfig = Field(default_factory=GateConfig, description="Held-out comparison and promotion rule.")
     prefect: PrefectConfig = Field(default_factory=PrefectConfig, description="Prefect deployment and schedule.")
+    _sources: dict[tuple, str] = PrivateAttr(default_factory=dict)
 
     @property
     def run_dir(self) -> Path:
         return Path(self.run.run_dir.format(name=self.run.name))
+
+    def source_of(self, key: str) -> str:
+        """Where a key's value came from: the YAML file, '--set KEY=VALUE', or 'defaults'."""
+        return _source_of(tuple(key.split(".")), self._sources)
 
 
 class ConfigError(ValueError):
@@ -416,7 +430,14 @@ def _parse_override(text: str) -> tuple[tuple[str, ...], Any]:
     path = tuple(p for p in key.strip().split(".") if p)
     if not path:
         raise ConfigError(f"--set {text!r}: empty key")
-    return path, yaml.safe_load(raw) if raw.strip() else ""
+    if not raw.strip():
+        return path, ""
+    try:
+        return path, yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"--set {text!r}: the value is not valid YAML ({problem}); write a list as [a, b] and "
+                          f"quote a string that starts with [, {{, * or & (--set 'key=\"text\"')") from None
 
 
 def _source_of(path: tuple, sources: dict) -> str:
@@ -465,15 +486,18 @@ def load_config(files: list[str | Path], overrides: list[str] = ()) -> Config:
     _drop_overridden_backend_sections(data, sources, [str(Path(f)) for f in files]
                                       + [f"--set {text}" for text in overrides])
     try:
-        return Config.model_validate(data)
+        cfg = Config.model_validate(data)
+        cfg._sources = sources
+        return cfg
     except ValidationError as e:
         lines = []
         for err in e.errors():
             loc = tuple(str(p) for p in err["loc"])
             key = ".".join(loc) or "(top level)"
-            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
             lines.append(f"{_source_of(loc, sources)}: {key}: {msg}")
-        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+        raise ConfigError("invalid config: " + lines[0] if len(lines) == 1
+                          else "invalid config:\n  " + "\n  ".join(lines)) from None
 
 
 def config_reference(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:

@@ -4,13 +4,22 @@
     rsiflow serve --config configs/default.yaml               # improvement-round/<run>, self-improve/<run>
     rsiflow status --config configs/default.yaml
     rsiflow report --config configs/default.yaml
+
+A user's mistake (a bad config value, a store that can't be opened, a busy run) ends in one line on stderr
+naming the cause, where it came from and what to do; `--debug` shows the traceback instead. Ctrl-C and SIGTERM
+end `run` and `serve` within seconds, in one line; the temporary Prefect server `run` starts dies with it
+whatever ends it (even `kill -9`).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import signal
+import subprocess
 import sys
+from datetime import UTC, datetime
 
 
 def _prefect_env() -> None:
@@ -22,6 +31,69 @@ def _prefect_env() -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread and handled like Ctrl-C (Prefect marks the flow run crashed; the step
+    in progress rolls back and is recorded as failed)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated(signal.Signals(signum).name)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int, libc) -> None:
+    """In a child between fork and exec: ask the kernel for SIGTERM when the parent dies, even by SIGKILL (Linux
+    prctl PR_SET_PDEATHSIG); exit at once if it died already."""
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def start_temporary_prefect_server() -> None:
+    """Start the temporary Prefect API server that flows use when no PREFECT_API_URL is set, so that it dies with
+    this process and Ctrl-C reaches this process only.
+
+    Prefect starts it on first use as a plain child: Ctrl-C at a terminal signals the whole process group, so
+    it died first and the flow run then retried reporting to it for minutes; and a `kill -9` of this process left
+    it running. Here it is started from the main thread, in its own session (the terminal's Ctrl-C doesn't reach
+    it; this process stops it at exit, as Prefect does) and with a parent-death signal (the kernel sends it
+    SIGTERM when this process dies, however). Prefect finds it as its default temporary server and uses it."""
+    from prefect.server.api import server as prefect_server
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        return
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+    parent = os.getpid()
+
+    class _ChildProcesses:
+        """Stands in for the `subprocess` module inside Prefect's server module while it starts the server."""
+
+        def __getattr__(self, name):
+            return getattr(subprocess, name)
+
+        @staticmethod
+        def Popen(*args, **kwargs):  # noqa: N802 (subprocess's name)
+            preexec = (lambda: _die_with_parent(parent, libc)) if libc is not None else None
+            return subprocess.Popen(*args, start_new_session=True, preexec_fn=preexec, **kwargs)
+
+    class _TemporaryServer(prefect_server.SubprocessASGIServer):
+        def _run_uvicorn_command(self):
+            real = prefect_server.subprocess
+            prefect_server.subprocess = _ChildProcesses()
+            try:
+                return super()._run_uvicorn_command()
+            finally:
+                prefect_server.subprocess = real
+
+    server = prefect_server.SubprocessASGIServer()   # the default instance Prefect would use, if it exists
+    if not server.running:
+        prefect_server.SubprocessASGIServer._instances.pop(None, None)
+        _TemporaryServer().start()
+
+
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "-c", action="append", metavar="FILE",
                    help="YAML config; repeat to overlay (later files win). Default: configs/default.yaml")
@@ -30,51 +102,69 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args):
-    from configs.schema import ConfigError, load_config
+    from configs.schema import load_config
 
     files = args.config or ["configs/default.yaml"]
+    return files, load_config(files, args.overrides)
+
+
+def _open_run(cfg):
+    """The store, read-only, for a command that only reads (it never creates one); ConfigError if the run is
+    not in it."""
+    from configs.schema import ConfigError
+    from stores.store import Store, StoreError
+
     try:
-        return files, load_config(files, args.overrides)
-    except ConfigError as e:
-        sys.exit(f"rsiflow: {e}")
+        store = Store(cfg.run.store, read_only=True)
+    except StoreError as e:
+        raise StoreError(f"{e} (run.store from {cfg.source_of('run.store')})") from None
+    if store.get_run(cfg.run.name) is None:
+        runs = [r["run_id"] for r in store.list_runs()]
+        store.close()
+        raise ConfigError(f"no run {cfg.run.name!r} in {cfg.run.store} (runs there: {', '.join(runs) or 'none'}); "
+                          f"run.name from {cfg.source_of('run.name')}")
+    return store
 
 
 def _print_report(cfg) -> None:
-    from tasks.common import open_store
     from tasks.report import write_report
 
-    with open_store(cfg) as store:
+    with _open_run(cfg) as store:
         md_path, png, md = write_report(store, cfg.run.name, cfg.run_dir / "report")
     print(md)
     print(f"report: {md_path}\nplot:   {png}", flush=True)
 
 
 def cmd_run(args) -> None:
-    """Rounds until the run has --rounds completed ones, holding the run's lease throughout (flows/lease.py)."""
+    """Rounds until the run has --rounds completed ones, holding the run's lease throughout (flows/lease.py).
+    Every input is checked (tasks/setup.py: ensure_run) before anything is written or started."""
+    from configs.schema import ConfigError
+
+    if args.rounds is not None and args.rounds < 1:
+        raise ConfigError(f"--rounds {args.rounds}: must be at least 1 (the total number of rounds the run should "
+                          "have; rounds it has completed count, so a finished run exits at once)")
     _prefect_env()
     files, cfg = _load(args)
-    from configs.schema import ConfigError
-    from flows.lease import RunBusyError, run_lease
+    from flows.lease import run_lease
     from flows.round import round_flow
+    from stores.store import StoreError
     from tasks.common import open_store
     from tasks.setup import ensure_run
 
     target = cfg.run.rounds if args.rounds is None else args.rounds
     try:
         ensure_run(cfg)
-    except ConfigError as e:
-        sys.exit(f"rsiflow: {' '.join(files)}: {e}")
-    try:
-        with run_lease(cfg, args.wait):
-            while True:
-                with open_store(cfg) as store:
-                    done = store.last_completed_round(cfg.run.name)
-                if done >= target:
-                    break
-                round_flow(cfg, max(done, 0) + 1)(files, args.overrides)
-                _print_report(cfg)
-    except RunBusyError as e:
-        sys.exit(f"rsiflow: {e}")
+    except StoreError as e:
+        raise StoreError(f"{e} (run.store from {cfg.source_of('run.store')})") from None
+    with run_lease(cfg, args.wait):
+        while True:
+            with open_store(cfg) as store:
+                done = store.last_completed_round(cfg.run.name)
+            if done >= target:
+                break
+            start_temporary_prefect_server()   # once (it returns at once when running), when a round is to run
+            round_flow(cfg, max(done, 0) + 1)(files, args.overrides)
+            _print_report(cfg)
     print(f"run {cfg.run.name!r}: {max(done, 0)} round(s) completed; store {cfg.run.store}")
 
 
@@ -149,26 +239,77 @@ def cmd_serve(args) -> None:
     files, cfg = _load(args)
     from prefect import serve
 
+    start_temporary_prefect_server()
     deployments = serve_deployments(files, args.overrides, cfg, args.cron or cfg.prefect.cron)
     for line in deployment_changes(deployments):
         print(f"rsiflow serve: {line}", file=sys.stderr, flush=True)
-    serve(*deployments)
+    serve(*deployments)   # returns after Ctrl-C or SIGTERM, once Prefect has paused the schedules
+    print(f"rsiflow serve: stopped; deployments improvement-round/{cfg.run.name} and self-improve/{cfg.run.name} "
+          "stay registered, their schedules paused until served again", file=sys.stderr, flush=True)
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.1f} s" if s < 600 else f"{s / 60:.1f} min"
+
+
+def status_lines(store, run_id: str) -> list[str]:
+    """`rsiflow status`: the run's champion and lease, then each round (status, champions, wall time) with its
+    steps: state, duration and, for a failed step, its error. A step recorded as running while nobody holds the
+    run's lease was interrupted (its process died); the next `rsiflow run` redoes it."""
+    from flows.lease import describe
+    from tasks.common import STEPS
+
+    now = datetime.now(UTC).replace(tzinfo=None)
+    lease = store.lease(run_id)
+
+    done = max(0, store.last_completed_round(run_id))
+    lines = [f"champion: {store.champion(run_id)}   completed rounds: {done}   "
+             f"lease: {describe(lease) if lease else 'free (no round running)'}"]
+    steps: dict[int, list[dict]] = {}
+    for s in store.step_history(run_id):
+        steps.setdefault(s["round"], []).append(s)
+    rounds = {r["round"]: r for r in store.round_history(run_id)}
+    for n in sorted(set(steps) | set(rounds)):
+        r = rounds.get(n)
+        if r is None:
+            lines.append(f"round {n}  setup")
+        else:
+            wall = ((r["finished_at"] or now) - r["started_at"]).total_seconds() if r["started_at"] else None
+            took = f"  {_seconds(wall)}" if wall is not None else ""
+            after = f" -> {r['champion_after']}" if r["champion_after"] else ""
+            lines.append(f"round {n}  {r['status']}{took}  champion {r['champion_before']}{after}")
+        last_end = r["started_at"] if r else None
+        for s in steps.get(n, []):
+            state = s["status"]
+            if state == "running" and lease is None:
+                state = "interrupted"
+            end = s["finished_at"] or now
+            last_end = max(last_end or end, end)
+            took = _seconds((end - s["started_at"]).total_seconds()) if s["started_at"] else ""
+            if state == "running":
+                took = f"for {took}"
+            err = f"  {s['error'].splitlines()[0]}" if s["error"] and state == "failed" else ""
+            lines.append(f"  {s['step']:<9} {state:<11} {took:>10}{err}")
+        if r is not None and r["status"] == "running":
+            # a step records itself when it ends (one transaction): the ones after are running or pending
+            recorded = {s["step"] for s in steps.get(n, [])}
+            first = not any(s["status"] == "failed" for s in steps.get(n, []))
+            for step in [s for s in STEPS if s not in recorded]:
+                if first:
+                    since = f"for {_seconds((now - last_end).total_seconds())}" if last_end and lease else ""
+                    lines.append(f"  {step:<9} {'running' if lease else 'interrupted':<11} {since:>10}"
+                                 + ("" if lease else "  (no holder: `rsiflow run` resumes here)"))
+                    first = False
+                else:
+                    lines.append(f"  {step:<9} pending")
+    return lines
 
 
 def cmd_status(args) -> None:
     files, cfg = _load(args)
-    from tasks.common import open_store
-
-    with open_store(cfg, read_only=True) as store:
-        run = store.get_run(cfg.run.name)
-        if run is None:
-            sys.exit(f"rsiflow: no run {cfg.run.name!r} in {cfg.run.store}")
+    with _open_run(cfg) as store:
         print(f"run {cfg.run.name!r}  store {cfg.run.store}")
-        done = max(0, store.last_completed_round(cfg.run.name))
-        print(f"champion: {store.champion(cfg.run.name)}   completed rounds: {done}")
-        for r in store.step_history(cfg.run.name):
-            err = f"  {r['error'].splitlines()[0]}" if r["error"] else ""
-            print(f"  round {r['round']:>2}  {r['step']:<9} {r['status']:<10} {r['finished_at'] or ''}{err}")
+        print("\n".join(status_lines(store, cfg.run.name)))
 
 
 def cmd_report(args) -> None:
@@ -177,26 +318,55 @@ def cmd_report(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="rsiflow", description="Recursive self-improvement rounds for LLM agents.")
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="Show the traceback of an error instead of its one-line message")
+    parser = argparse.ArgumentParser(prog="rsiflow", description="Recursive self-improvement rounds for LLM agents.",
+                                     parents=[debug])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run", help="Run rounds locally (Prefect ephemeral API) until the run has --rounds rounds.")
+    p = sub.add_parser("run", help="Run rounds locally (Prefect ephemeral API) until the run has --rounds rounds.",
+                       parents=[debug])
     _config_args(p)
-    p.add_argument("--rounds", type=int, help="Total rounds the run should have (default: run.rounds)")
+    p.add_argument("--rounds", type=int, help="Total rounds the run should have, at least 1 (default: run.rounds); "
+                   "a run that has them already exits at once")
     p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                    help="If a round of the run is running elsewhere, wait this long for it (default 0: exit at once)")
     p.set_defaults(func=cmd_run)
-    p = sub.add_parser("serve", help="Serve the improvement-round/<run> and self-improve/<run> deployments (blocks).")
+    p = sub.add_parser("serve", help="Serve the improvement-round/<run> and self-improve/<run> deployments (blocks).",
+                       parents=[debug])
     _config_args(p)
     p.add_argument("--cron", help="Cron schedule for the round deployment (default: prefect.cron)")
     p.set_defaults(func=cmd_serve)
-    p = sub.add_parser("status", help="Rounds, steps and the champion of a run.")
+    p = sub.add_parser("status", help="Rounds, steps and the champion of a run (reads the store; never creates one).",
+                       parents=[debug])
     _config_args(p)
     p.set_defaults(func=cmd_status)
-    p = sub.add_parser("report", help="Write and print the run's per-round table and plot.")
+    p = sub.add_parser("report", help="Write and print the run's per-round table and plot (never creates a store).",
+                       parents=[debug])
     _config_args(p)
     p.set_defaults(func=cmd_report)
     args = parser.parse_args(argv)
-    args.func(args)
+    from configs.schema import ConfigError
+    from flows.lease import RunBusyError
+    from stores.store import StoreError
+
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        args.func(args)
+    except KeyboardInterrupt as e:   # Ctrl-C, or SIGTERM (Terminated)
+        if getattr(args, "debug", False):
+            raise
+        how = f"{e}" if isinstance(e, Terminated) else "Ctrl-C"
+        then = {"run": "; run the same command again to resume (completed steps are kept)",
+                "serve": "; its deployments stay registered (their schedules are paused until served again)"}
+        print(f"rsiflow {args.command}: stopped by {how}{then.get(args.command, '')}", file=sys.stderr, flush=True)
+        sys.exit(143 if isinstance(e, Terminated) else 130)
+    except (ConfigError, StoreError, RunBusyError) as e:
+        if getattr(args, "debug", False):
+            raise
+        sys.exit(f"rsiflow: {e}")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stores.migrations import apply_migrations
+from stores.migrations import MIGRATIONS, applied_versions, apply_migrations
 
 Rows = list[dict[str, Any]] | pa.Table
 
@@ -41,7 +41,12 @@ STEP_KEY = ("run_id", "round", "step")
 _NOT_STEP_DATA = {"steps"}
 
 
-class StoreLockedError(RuntimeError):
+class StoreError(RuntimeError):
+    """The store can't be opened as asked (missing, not a DuckDB file, not a folder, a newer schema, locked);
+    the message says which file, why, and what to do, in one line."""
+
+
+class StoreLockedError(StoreError):
     """Another process holds the DuckDB file's write lock."""
 
 
@@ -123,20 +128,62 @@ class Store:
     dataset export and lineage queries."""
 
     def __init__(self, path: str | Path, read_only: bool = False, wait_s: float = 30.0):
-        """Open (creating parent folders) and, unless `read_only`, apply pending migrations.
+        """Open (creating the file and its parent folders unless `read_only`) and, unless `read_only`, apply
+        pending migrations.
 
         If another process holds the file's lock, retry for up to `wait_s` seconds, then raise
-        `StoreLockedError`.
+        `StoreLockedError`. A file that can't be opened as an rsiflow store (missing when read-only, under a
+        file, not creatable, not a DuckDB database, another program's database, a schema newer than this
+        code's) raises `StoreError` before anything is written.
         """
-        self.path = Path(path)
+        self.path = Path(path).expanduser()
         self.read_only = read_only
+        if self.path.is_dir():
+            raise StoreError(f"store {self.path} is a folder; set run.store to a file path, e.g. "
+                             f"{self.path / 'rsiflow.duckdb'}")
+        if read_only and not self.path.is_file():
+            raise StoreError(f"store {self.path} does not exist: nothing has run with this run.store yet "
+                             f"(`rsiflow run` creates it)")
         if not read_only:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._make_parent()
         self._con = self._connect(wait_s)
-        if not read_only:
-            apply_migrations(self._con)
+        try:
+            self._check_schema()
+            if not read_only:
+                apply_migrations(self._con)
+        except BaseException:
+            self._con.close()
+            raise
         self._schemas: dict[str, tuple[pa.Schema, set[str]]] = {}
         self.step_tables = self._find_step_tables()
+
+    def _make_parent(self) -> None:
+        parent = self.path.parent
+        blocker = next((p for p in (parent, *parent.parents) if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            raise StoreError(f"store {self.path}: {blocker} is a file, not a folder; set run.store to a path in a "
+                             f"folder")
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise StoreError(f"store {self.path}: can't create its folder ({err.strerror}); set run.store to a "
+                             f"path in a writable folder") from None
+
+    def _check_schema(self) -> None:
+        """Refuse a store written by newer code (its migrations are unknown here) and another program's
+        DuckDB database (tables but no schema_migrations)."""
+        newest = max(v for v, _, _ in MIGRATIONS)
+        versions = applied_versions(self._con)
+        if versions and max(versions) > newest:
+            raise StoreError(f"store {self.path} has schema version {max(versions)}, newer than this code's "
+                             f"({newest}): it was written by a newer rsiflow; upgrade rsiflow to use it")
+        if not versions:
+            tables = [t for (t,) in self._con.sql("SELECT table_name FROM information_schema.tables"
+                                                   " ORDER BY table_name").fetchall()]
+            if tables:
+                raise StoreError(f"store {self.path} is a DuckDB database but not an rsiflow store (tables "
+                                 f"{', '.join(tables[:5])}{', ...' if len(tables) > 5 else ''}; no schema_migrations); "
+                                 f"set run.store to another path")
 
     def _connect(self, wait_s: float) -> duckdb.DuckDBPyConnection:
         deadline = time.monotonic() + wait_s
@@ -146,11 +193,19 @@ class Store:
                 return duckdb.connect(str(self.path), read_only=self.read_only)
             except duckdb.Error as err:
                 if not _is_lock_error(err):
-                    raise
+                    raise self._open_error(err) from None
                 if time.monotonic() >= deadline:
                     raise self._locked_error(err, wait_s) from err
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 1.0)
+
+    def _open_error(self, err: duckdb.Error) -> StoreError:
+        said = str(err).splitlines()[0]
+        if self.path.is_file() and "not a valid DuckDB database" in said:
+            return StoreError(f"store {self.path} is not a DuckDB database (the file exists but DuckDB can't read "
+                              f"it); set run.store to another path or move that file away")
+        return StoreError(f"store {self.path} can't be opened{'' if self.read_only else ' or created'} "
+                          f"(DuckDB: {said}); set run.store to a file in a writable folder")
 
     def _locked_error(self, err: duckdb.Error, wait_s: float) -> StoreLockedError:
         pid = re.search(r"PID (\d+)", str(err))
@@ -159,7 +214,7 @@ class Store:
             f"store {self.path} is locked by {holder} (waited {wait_s:g} s). DuckDB allows one "
             f"process to open a file for writing: wait for that process to finish (pipeline "
             f"steps hold the store only while they write), stop it, or open with a longer "
-            f"wait_s. DuckDB said: {err}"
+            f"wait_s. DuckDB said: {str(err).splitlines()[0]}"
         )
 
     @property
@@ -619,6 +674,11 @@ class Store:
         """Every step attempt's last state: round, step, status, started/finished, error."""
         return self.rows("SELECT round, step, status, started_at, finished_at, error FROM steps"
                          " WHERE run_id = ? ORDER BY round, started_at", [run_id])
+
+    def round_history(self, run_id: str) -> list[dict]:
+        """The run's rounds in order: round, status, champion_before, champion_after, started_at, finished_at."""
+        return self.rows("SELECT round, status, champion_before, champion_after, started_at, finished_at FROM rounds"
+                         " WHERE run_id = ? ORDER BY round", [run_id])
 
     # ---- retention ------------------------------------------------------------------------
 

@@ -83,7 +83,7 @@ def test_unknown_env_and_bad_env_kwargs_fail_before_any_work(tmp_path):
 
     with pytest.raises(ConfigError, match=r"env.name: unknown env 'kitchen'.*household"):
         check_env(load_config([], ["env.name=kitchen"]))
-    with pytest.raises(ConfigError, match=r"env.kwargs: .*rooms"):
+    with pytest.raises(ConfigError, match=r"--set env.kwargs.rooms=3: env.kwargs.rooms: .*takes no argument 'rooms'"):
         check_env(load_config([], ["env.kwargs.rooms=3"]))
     with pytest.raises(ConfigError, match=r"env.name: .*no_such_module"):
         check_env(load_config([], ["env.name=no_such_module:Env"]))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from envs import Env, make_env
+from envs import Env, EnvError, make_env
 from envs.household import HouseholdEnv
 
 
@@ -19,7 +19,7 @@ def test_module_class_form():
 
 
 def test_module_class_that_is_not_an_env():
-    with pytest.raises(TypeError, match="not a subclass"):
+    with pytest.raises(EnvError, match="not a subclass"):
         make_env("collections:OrderedDict")
     with pytest.raises(ValueError, match="no attribute"):
         make_env("envs.household:NoSuchEnv")
