@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 from datetime import UTC, datetime
+from pathlib import Path
 
 
 def _prefect_env() -> None:
@@ -108,14 +109,17 @@ def _load(args):
     return files, load_config(files, args.overrides)
 
 
-def _open_run(cfg):
-    """The store, read-only, for a command that only reads (it never creates one); ConfigError if the run is
-    not in it."""
+def _open_run(cfg, read_only: bool = True):
+    """The store (read-only unless asked: a process that writes it too must open it the same way, DuckDB refuses
+    a read-only and a read-write connection to one file in one process) for a command that reads a run; it never
+    creates one. ConfigError if the run is not in it."""
     from configs.schema import ConfigError
     from stores.store import Store, StoreError
 
+    if not read_only and not Path(cfg.run.store).expanduser().is_file():
+        raise StoreError(f"store {cfg.run.store} does not exist")
     try:
-        store = Store(cfg.run.store, read_only=True)
+        store = Store(cfg.run.store, read_only=read_only)
     except StoreError as e:
         raise StoreError(f"{e} (run.store from {cfg.source_of('run.store')})") from None
     if store.get_run(cfg.run.name) is None:
@@ -126,10 +130,10 @@ def _open_run(cfg):
     return store
 
 
-def _print_report(cfg) -> None:
+def _print_report(cfg, read_only: bool = True) -> None:
     from tasks.report import write_report
 
-    with _open_run(cfg) as store:
+    with _open_run(cfg, read_only) as store:
         md_path, png, md = write_report(store, cfg.run.name, cfg.run_dir / "report")
     print(md)
     print(f"report: {md_path}\nplot:   {png}", flush=True)
@@ -164,7 +168,7 @@ def cmd_run(args) -> None:
                 break
             start_temporary_prefect_server()   # once (it returns at once when running), when a round is to run
             round_flow(cfg, max(done, 0) + 1)(files, args.overrides)
-            _print_report(cfg)
+            _print_report(cfg, read_only=False)
     print(f"run {cfg.run.name!r}: {max(done, 0)} round(s) completed; store {cfg.run.store}")
 
 
@@ -243,9 +247,15 @@ def cmd_serve(args) -> None:
     deployments = serve_deployments(files, args.overrides, cfg, args.cron or cfg.prefect.cron)
     for line in deployment_changes(deployments):
         print(f"rsiflow serve: {line}", file=sys.stderr, flush=True)
-    serve(*deployments)   # returns after Ctrl-C or SIGTERM, once Prefect has paused the schedules
-    print(f"rsiflow serve: stopped; deployments improvement-round/{cfg.run.name} and self-improve/{cfg.run.name} "
-          "stay registered, their schedules paused until served again", file=sys.stderr, flush=True)
+    stopped = (f"rsiflow serve: stopped; deployments improvement-round/{cfg.run.name} and "
+               f"self-improve/{cfg.run.name} stay registered")
+    try:
+        serve(*deployments)   # returns after Ctrl-C; Prefect's runner ends SIGTERM with a graceful stop or exit 0
+    except SystemExit as e:
+        if not e.code:
+            print(stopped, file=sys.stderr, flush=True)
+        raise
+    print(stopped, file=sys.stderr, flush=True)
 
 
 def _seconds(s: float) -> str:
@@ -358,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         how = f"{e}" if isinstance(e, Terminated) else "Ctrl-C"
         then = {"run": "; run the same command again to resume (completed steps are kept)",
-                "serve": "; its deployments stay registered (their schedules are paused until served again)"}
+                "serve": "; its deployments stay registered"}
         print(f"rsiflow {args.command}: stopped by {how}{then.get(args.command, '')}", file=sys.stderr, flush=True)
         sys.exit(143 if isinstance(e, Terminated) else 130)
     except (ConfigError, StoreError, RunBusyError) as e:

@@ -131,8 +131,11 @@ def ensure_run(cfg: Config) -> str:
     check_env(cfg)
     check_methods(cfg)
     run_id = cfg.run.name
-    if Path(cfg.run.store).expanduser().exists():   # read-only: a store refused here is left as it was
-        with open_store(cfg, read_only=True) as store:
+    # An existing store is checked before anything else is written (a store refused on opening is left as it
+    # was). Not read-only: the round's lease heartbeat opens it read-write from another thread of this process,
+    # and DuckDB refuses a read-only and a read-write connection to one file in one process.
+    if Path(cfg.run.store).expanduser().exists():
+        with open_store(cfg) as store:
             run = store.get_run(run_id)
             if run is not None:
                 check_same_run(run["config"], cfg)
