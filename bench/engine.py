@@ -25,6 +25,7 @@ into the fp32 matmul GFLOP/s torch reaches here.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 
@@ -93,7 +94,8 @@ def main() -> None:
     ap.add_argument("--kv-reuse", action="store_true", help="the engine's backend reuses KV caches across turns")
     ap.add_argument("--vllm", action="store_true", help="also replay the calls through the vllm backend")
     ap.add_argument("--vllm-python", default=None, help="interpreter with vllm (default: backend.vllm.python's)")
-    ap.add_argument("--kv-cache-gib", type=float, default=4.0, help="vLLM CPU KV cache, GiB")
+    ap.add_argument("--kv-cache-gib", type=int, default=4, help="vLLM CPU KV cache, GiB")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the plain-generate baseline (slowest part)")
     args = ap.parse_args()
 
     path = resolve_base_model(args.model, Path(args.cache).expanduser())
@@ -107,7 +109,7 @@ def main() -> None:
     engine_s = time.perf_counter() - t0
     kept = sum(len(g.token_ids) for _, gens in rec.calls for g in gens)
     sampled = sum(_sampled(g) for _, gens in rec.calls for g in gens)
-    base_s, base_tokens = baseline_seconds(backend, rec.calls, params)
+    base_s, base_tokens = (math.nan, 0) if args.no_baseline else baseline_seconds(backend, rec.calls, params)
 
     # Same prompts, same lengths: both did the engine's work (`sampled` tokens); the baseline also
     # ran finished rows of a chunk to the chunk's longest row (as `generate` does), counted apart.

@@ -78,8 +78,8 @@ class VLLMBackendConfig(_Section):
         None, description="Weights dtype for generation only; null = model.dtype.")
     max_model_len: int = Field(4096, ge=256, le=1_048_576, description="Longest prompt + completion, in tokens, the "
         "engine accepts (sizes its KV blocks).")
-    kv_cache_gib: float = Field(4.0, gt=0, le=1024, description="CPU build: GiB of KV cache "
-        "(VLLM_CPU_KVCACHE_SPACE). GPUs size theirs from gpu_memory_utilization.")
+    kv_cache_gib: int = Field(4, ge=1, le=1024, description="CPU build: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE, "
+        "a whole number). GPUs size theirs from gpu_memory_utilization.")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1.0, description="GPU build: share of GPU memory the "
         "engine may take (weights + KV cache).")
     enforce_eager: bool = Field(False, description="No torch.compile / CUDA graphs: a faster start, a slower decode "

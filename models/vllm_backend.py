@@ -189,7 +189,7 @@ class VLLMBackend:
     kind = "vllm"
 
     def __init__(self, model_path: str, *, dtype: str = "float32", trust_remote_code: bool = False,
-                 python: str | None = None, max_model_len: int = 4096, kv_cache_gib: float = 4.0,
+                 python: str | None = None, max_model_len: int = 4096, kv_cache_gib: int = 4,
                  gpu_memory_utilization: float = 0.85, enforce_eager: bool = False, threads: int | None = None,
                  seed: int = 0,
                  score_temp_logprobs: bool = True, redeploy: str = "reload", start_timeout: float = 900.0):

@@ -39,10 +39,10 @@ class Engine:
     """One vLLM `LLM` engine serving a local checkpoint; see the module docstring for each call."""
 
     def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 4096,
-                 gpu_memory_utilization: float = 0.85, kv_cache_gib: float = 4.0, enforce_eager: bool = False,
+                 gpu_memory_utilization: float = 0.85, kv_cache_gib: int = 4, enforce_eager: bool = False,
                  trust_remote_code: bool = False, threads: int | None = None):
         # vLLM's CPU build sizes its KV cache from this variable (GiB); GPUs use gpu_memory_utilization.
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))  # vLLM parses an int
         # Without OMP_NUM_THREADS, vLLM's CPU build cuts torch to 1 thread on this 2-core machine.
         os.environ.setdefault("OMP_NUM_THREADS", str(threads or os.cpu_count() or 1))
         start = time.perf_counter()

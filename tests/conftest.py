@@ -79,12 +79,17 @@ def smollm2_path(model_cache) -> Path:
 @pytest.fixture(scope="session")
 def vllm_backend(smollm2_path):
     """The process's one vLLM engine on SmolLM2 (started once per pytest run; engine start is minutes on
-    2 cores). Tests may switch its weights; each gets it back serving SmolLM2 (see `serving_smollm2`)."""
+    2 cores). Tests may switch its weights; tests/models/test_vllm_backend.py's `vllm` fixture switches back."""
+    from configs.schema import load_config
     from models.vllm_backend import VLLMBackend, shutdown_engine
 
-    python = vllm_python()
-    # enforce_eager: no torch.compile, so the engine starts in ~1 min instead of ~3 on 2 cores
-    backend = VLLMBackend.open(smollm2_path, python=python, kv_cache_gib=2, max_model_len=4096, enforce_eager=True)
+    vllm_python()  # skips, saying why, where vLLM is not installed
+    # The options as configs/vllm-cpu.yaml gives them (a float from the config once crashed vLLM's start);
+    # enforce_eager: no torch.compile, so the engine starts in ~1 min instead of ~3 on 2 cores.
+    cfg = load_config([str(REPO / "configs/default.yaml"), str(REPO / "configs/vllm-cpu.yaml")],
+                      ["backend.vllm.kv_cache_gib=2", "backend.vllm.enforce_eager=true"])
+    options = cfg.backend.options()
+    backend = VLLMBackend.open(smollm2_path, dtype=options.pop("dtype") or cfg.model.dtype, **options)
     yield backend
     shutdown_engine()
 
