@@ -179,12 +179,12 @@ def instrument(env_name: str) -> None:
     for name in ("write_report", "round_rows"):
         patch(deploy, name, "report")
         patch(report, name, "report")
-    for name in ("create_markdown_artifact", "create_image_artifact", "get_run_logger"):
-        patch(deploy, name, "prefect")
-    for mod in {t.fn.__module__ for t in STEP_TASKS.values()} | {"flows.round"}:
+    # Prefect's artifacts (tables, markdown, progress) and loggers, wherever a step module imported them
+    for mod in {t.fn.__module__ for t in STEP_TASKS.values()} | {"flows.round", "tasks.common"}:
         m = sys.modules[mod]
-        if hasattr(m, "get_run_logger"):
-            patch(m, "get_run_logger", "prefect")
+        for name in dir(m):
+            if name == "get_run_logger" or (name.endswith("_artifact") and name.startswith(("create_", "update_"))):
+                patch(m, name, "prefect")
     patch(prefect.tasks.Task, "__call__", "prefect")
     for t in STEP_TASKS.values():
         if not getattr(t.fn, "__bench_wrapped__", False):
