@@ -33,8 +33,8 @@ def _prefect_env() -> None:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread and handled like Ctrl-C (Prefect marks the flow run crashed; the step
-    in progress rolls back and is recorded as failed)."""
+    """SIGTERM, raised in the main thread and handled like Ctrl-C: Prefect marks the flow run crashed; the step in
+    progress keeps nothing (a step writes in one transaction at its end, rolled back if it was writing)."""
 
 
 def _raise_terminated(signum, frame) -> None:
