@@ -8,12 +8,12 @@
 2. The same run in another folder, started again and again, each start killed with SIGKILL to its process group at
    a random point (seeded): a phase (startup and each of the six steps once, the other kills' phases drawn
    uniformly), then a moment drawn uniformly within the reference's duration of that phase, counted from when the
-   phase began in this start (read from its log: the round's first line, each step's "Finished in state
-   Completed"). The steps of the kill points come in pipeline order (so the round advances), with the startup kills
-   at random places among them (a start killed while it resumes); a kill aimed at a step already completed goes to
-   the next step to run, or to startup once all six are. After each kill, every process the start had made (its
-   temporary Prefect server runs in a session of its own and must die by its parent-death signal) must be gone
-   within 20 s. Then a last start runs to the end.
+   phase began in this start (read from its log: the round's first line, each step's "Finished in state Completed";
+   a phase that ends sooner than the moment is killed at its end). The steps of the kill points come in pipeline
+   order (so the round advances), with the startup kills at random places among them (a start killed while it
+   resumes); a kill aimed at a step already completed goes to the next step to run, or to startup once all six are.
+   After each kill, every process the start had made (its temporary Prefect server runs in a session of its own and
+   must die by its parent-death signal) must be gone within 20 s. Then a last start runs to the end.
 3. Every table of both stores is compared by each row's key (`KEYS`: its ids): a key of the reference missing
    from the chaos store is a lost row, a key more often in the chaos store than in the reference a duplicate
    (or an extra row), and a key in both whose row differs a changed row. Columns that are time-dependent by
@@ -267,13 +267,14 @@ def main(argv: list[str] | None = None) -> int:
         phase_began = t if phase == "startup" else None
         while proc.poll() is None:
             seen |= _descendants(proc.pid)
+            begun, in_log = chaos.progress(run_id)
             if phase_began is None:
-                begun, in_log = chaos.progress(run_id)
-                before = STEPS[:STEPS.index(phase)]
-                if begun and all(s in done or s in in_log for s in before):
+                if begun and all(s in done or s in in_log for s in STEPS[:STEPS.index(phase)]):
                     phase_began = time.monotonic()
             elif time.monotonic() - phase_began >= offset:
                 break
+            elif (begun if phase == "startup" else phase in in_log):
+                break   # the phase ended sooner than in the reference: kill at its end, before the round can finish
             time.sleep(0.02)
         if proc.poll() is not None:
             print(f"start {chaos.starts}: finished (exit {proc.returncode}) before its kill in {phase}", flush=True)
