@@ -26,7 +26,8 @@ Then the store is read (read-only) and written as
   champion's held-out success per seed (k/n), pooled over seeds with a Wilson interval, and the
   mean over seeds; the candidate's held-out success where one was trained; gate decisions;
   training-rollout success and generated tokens per success; the round's wall time; and every
-  scalar in the round's `metrics` JSON (rounds table), averaged over seeds.
+  scalar in the round's `metrics` JSON (rounds table), averaged over seeds (multi-line or long text,
+  such as X-Tree's rendered outline, is left to the run's report).
 - <out>/runs.csv: the same per (arm, seed, round), unaggregated.
 - <out>/success.png: held-out success per round, one line per arm (mean over seeds) with the
   pooled interval as a band.
@@ -235,6 +236,8 @@ def _flatten(d: dict, prefix: str = "") -> dict:
         key = f"{prefix}{k}"
         if isinstance(v, dict):
             out.update(_flatten(v, key + "."))
+        elif isinstance(v, str) and ("\n" in v or len(v) > 80):
+            continue  # prose (a rendered tree, a workflow) belongs in the run's report, not in a table cell
         elif v is None or isinstance(v, (bool, int, float, str)):
             out[key] = v
     return out

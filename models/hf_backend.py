@@ -131,7 +131,7 @@ class HFBackend:
                                  f"(no sliding window / linear attention): {model_path}")
 
     def clear_kv_store(self) -> None:
-        """Forget the keys/values kept for reuse (no effect on results, only on speed)."""
+        """Forget the keys/values kept for reuse (the same outputs up to floating-point rounding, slower)."""
         self._kv_store = []
 
     @property
@@ -407,12 +407,18 @@ def get_backend(model_path: str | Path, **kwargs) -> HFBackend:
     """A process-wide HFBackend serving this checkpoint with these options, loaded once and reused by
     later pipeline steps. Keeps the two most recently used. A backend redeployed with `serve()` is
     found under the checkpoint it serves now.
+
+    A reused backend starts with an empty KV store (`kv_reuse`): what a step samples then depends only
+    on its inputs, not on which calls earlier steps made in this process, so a step resumed in a fresh
+    process after a kill samples exactly what it would have (bench/chaos checks this). Reuse across the
+    turns and episodes of one step, where it pays, is untouched.
     """
     options = tuple(sorted(kwargs.items()))
     path = Path(model_path).resolve()
     for i, (opts, backend) in enumerate(_BACKENDS):
         if opts == options and Path(backend.model_path).resolve() == path:
             _BACKENDS.append(_BACKENDS.pop(i))
+            backend.clear_kv_store()
             return backend
     while len(_BACKENDS) >= _MAX_CACHED_BACKENDS:
         _BACKENDS.pop(0)

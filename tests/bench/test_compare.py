@@ -123,3 +123,10 @@ def test_compare_runs_arms_and_seeds_on_tiny(tmp_path):
         source.execute("SELECT count(*) FROM trajectories").fetchall()
     source.close()
     con.close()
+
+
+def test_prose_metrics_stay_out_of_the_table():
+    from bench.compare import _flatten
+
+    flat = _flatten({"xtree": {"nodes": 3, "outline": "- a > b\n  - a", "kind": "hf"}, "note": "x" * 81})
+    assert flat == {"xtree.nodes": 3, "xtree.kind": "hf"}

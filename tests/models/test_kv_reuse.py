@@ -210,3 +210,16 @@ def test_a_prefix_shared_by_a_whole_call_is_encoded_once(plain, reusing):
     assert reusing.generate(conversations[:1], GREEDY)[0].extra["cached_tokens"] > 0  # (the store's own entry)
     reusing.clear_kv_store()
     assert reusing.generate(conversations[:1], GREEDY)[0].extra["cached_tokens"] == 0
+
+
+def test_a_step_reopening_the_backend_starts_with_an_empty_kv_store(tiny_path):
+    """What a step samples must not depend on earlier steps' calls in the same process (exact resumes)."""
+    clear_backends()
+    try:
+        first = get_backend(tiny_path, kv_reuse=True)
+        first.generate([_start(0)], SamplingParams(max_new_tokens=4, temperature=0.0))
+        assert first.kv_store_tokens > 0
+        again = get_backend(tiny_path, kv_reuse=True)
+        assert again is first and again.kv_store_tokens == 0
+    finally:
+        clear_backends()
