@@ -332,6 +332,117 @@ CREATE TABLE deleted_checkpoints (
 );
 """
 
+# RSIPO (METHODS.md §2): replays are trajectories of their own purpose ('replay': a train task played again with
+# a skill in its task message), so the CHECK on trajectories.purpose is widened (DuckDB cannot alter a CHECK: the
+# table is rebuilt with the same columns in the same order, its rows and its index). Then the skills written per
+# round, the replay tests (student and replay rewards, gain, noise, empirical-Bayes fit, trust weight) and the
+# library as it stood after each round (one row per skill: status, tests so far, gains with an interval).
+RSIPO_TABLES = """
+DROP INDEX trajectories_traj_id;
+DROP INDEX trajectories_model_id;
+CREATE TABLE trajectories_v8 (
+    traj_id       VARCHAR,
+    run_id        VARCHAR,
+    round         INTEGER,
+    step          VARCHAR,
+    task_id       VARCHAR,
+    model_id      VARCHAR,
+    group_id      VARCHAR,
+    sample_idx    INTEGER,
+    purpose       VARCHAR CHECK (purpose IN ('train', 'eval', 'replay')),
+    status        VARCHAR CHECK (status IN ('success', 'failure', 'error')),
+    success       BOOLEAN,
+    reward        DOUBLE,
+    n_turns       INTEGER,
+    error         VARCHAR,
+    hindsight     JSON,
+    workflow_id   VARCHAR,
+    agent_role    VARCHAR,
+    prompt_tokens BIGINT,
+    gen_tokens    BIGINT,
+    wall_s        DOUBLE
+);
+INSERT INTO trajectories_v8 SELECT * FROM trajectories;
+DROP TABLE trajectories;
+ALTER TABLE trajectories_v8 RENAME TO trajectories;
+CREATE INDEX trajectories_traj_id ON trajectories (traj_id);
+CREATE INDEX trajectories_model_id ON trajectories (model_id);
+
+CREATE TABLE rsipo_skills (
+    skill_id        VARCHAR,      -- '<run>/r<round>/rsipo/<task index>'
+    run_id          VARCHAR,
+    round           INTEGER,
+    step            VARCHAR,
+    task_id         VARCHAR,      -- the task whose rollout it summarises
+    task_type       VARCHAR,
+    group_id        VARCHAR,
+    source_traj_id  VARCHAR,      -- the rollout it was written from (the group's best)
+    writer          VARCHAR CHECK (writer IN ('policy', 'template')),
+    template_source VARCHAR,      -- template writer: 'rollout' (a successful rollout's actions) or 'expert'
+    model_id        VARCHAR,      -- the policy that wrote it (NULL for the template writer)
+    prompt          JSON,         -- the skill-writing messages (policy writer)
+    raw_text        VARCHAR,
+    text            VARCHAR,      -- the skill as kept (cleaned)
+    token_ids       INTEGER[],    -- the policy's sampled tokens and their logprobs after temperature only
+    temp_logprobs   FLOAT[],      --   (the skill-evolution term's policy-gradient row)
+    n_tokens        INTEGER,
+    usable          BOOLEAN,
+    reject_reason   VARCHAR,      -- why not usable: too short, or the ids it leaks
+    leaked_ids      VARCHAR[]
+);
+
+CREATE TABLE rsipo_tests (
+    test_id         VARCHAR,      -- '<skill_id>@<task_id>/r<round>'
+    run_id          VARCHAR,
+    round           INTEGER,
+    step            VARCHAR,
+    skill_id        VARCHAR,
+    skill_round     INTEGER,      -- the round the skill was written
+    origin          VARCHAR CHECK (origin IN ('new', 'library')),
+    retrieval_score DOUBLE,       -- library candidates: lexical match with the task text
+    task_id         VARCHAR,
+    task_type       VARCHAR,
+    task_seed       BIGINT,       -- the task's seed: the replays and the student rollouts share it
+    group_id        VARCHAR,      -- the student rollouts' group
+    student_traj_ids VARCHAR[],
+    replay_traj_ids VARCHAR[],    -- trajectories of purpose 'replay' (step 'distill')
+    student_rewards DOUBLE[],     -- R^S (crashed episodes left out)
+    replay_rewards  DOUBLE[],     -- R^T
+    gain            DOUBLE,       -- g = mean(R^T) - mean(R^S)
+    noise_var       DOUBLE,       -- v = Var(R^T)/M + Var(R^S)/G
+    type_mean_gain  DOUBLE,       -- ḡ_k over the round's tests of the type
+    tau2            DOUBLE,       -- τ²_k
+    shrink          DOUBLE,       -- B = τ² / (τ² + v)
+    shrunk_gain     DOUBLE,       -- g̃ = ḡ_k + B (g - ḡ_k)
+    centred_gain    DOUBLE,       -- ĝ = g - ḡ_k (skill evolution's advantage)
+    weight          DOUBLE,       -- w = clip(g̃ / c, 0, 1)
+    selected        BOOLEAN       -- the task's skill for the trust-weighted distillation
+);
+
+CREATE TABLE rsipo_library (
+    skill_id          VARCHAR,
+    run_id            VARCHAR,
+    round             INTEGER,    -- the library as it stood after this round
+    step              VARCHAR,
+    task_type         VARCHAR,
+    text              VARCHAR,
+    author_model_id   VARCHAR,
+    writer            VARCHAR,
+    written_round     INTEGER,
+    status            VARCHAR CHECK (status IN ('active', 'retired')),
+    retired_round     INTEGER,
+    n_tests           INTEGER,
+    mean_gain         DOUBLE,
+    gain_ci_low       DOUBLE,     -- mean gain ± 1.96 sqrt(Σ v) / n over its tests
+    gain_ci_high      DOUBLE,
+    last_gain         DOUBLE,
+    last_shrunk_gain  DOUBLE,
+    last_weight       DOUBLE,
+    nonpositive_streak INTEGER,   -- its latest tests in a row with a shrunk gain <= 0
+    tests             JSON        -- every test so far: round, test_id, task_id, gain, noise, shrunk, weight
+);
+"""
+
 MIGRATIONS: list[tuple[int, str, str]] = [
     (1, "initial schema", INITIAL_SCHEMA),
     (2, "SRD notes and foresight pairs", SRD_TABLES),
@@ -340,6 +451,7 @@ MIGRATIONS: list[tuple[int, str, str]] = [
     (5, "run leases: one round of a run at a time", LEASES),
     (6, "X-Tree trees, nodes, occurrences and online bonuses", XTREE_TABLES),
     (7, "checkpoints deleted by retention", RETENTION),
+    (8, "RSIPO skills, replays and library", RSIPO_TABLES),
 ]
 
 

@@ -636,6 +636,19 @@ class Store:
         return self.rows("SELECT * FROM xtree_nodes WHERE tree_id = ? ORDER BY node_idx", [tree_id],
                          json_cols=("task_types",))
 
+    def rsipo_library(self, run_id: str, round: int) -> list[dict]:
+        """RSIPO's skill library as it stood after the run's newest round before `round` (every skill written so
+        far, active or retired, with its tests parsed), by skill_id; [] before the first."""
+        return self.rows("SELECT * FROM rsipo_library WHERE run_id = ? AND round = (SELECT max(round)"
+                         " FROM rsipo_library WHERE run_id = ? AND round < ?) ORDER BY skill_id",
+                         [run_id, run_id, round], json_cols=("tests",))
+
+    def rsipo_skills(self, run_id: str, round: int) -> dict[str, dict]:
+        """The skills RSIPO wrote in a round (prompt parsed), by skill_id."""
+        rows = self.rows("SELECT * FROM rsipo_skills WHERE run_id = ? AND round = ? AND step = 'distill'",
+                         [run_id, round], json_cols=("prompt",))
+        return {r["skill_id"]: r for r in rows}
+
     def latest_heldout(self, run_id: str, model_id: str | None) -> dict | None:
         """A model's newest held-out evaluation over all task types: success_rate, ci_low, ci_high, n,
         successes, tokens_per_success; None if it has none."""

@@ -30,7 +30,8 @@ def test_read_only_store_reads_without_migrating(tmp_path):
 def test_every_step_written_table_is_cleared_by_step(store):
     assert store.step_tables == {"models", "tasks", "trajectories", "turns", "examples",
                                  "train_inputs", "evaluations", "gate_decisions", "notes", "foresight",
-                                 "xtree_trees", "xtree_nodes", "xtree_occurrences", "xtree_bonus"}
+                                 "xtree_trees", "xtree_nodes", "xtree_occurrences", "xtree_bonus",
+                                 "rsipo_skills", "rsipo_tests", "rsipo_library"}
 
 
 def test_importing_stores_pulls_no_heavy_dependencies():
