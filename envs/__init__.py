@@ -1,6 +1,6 @@
 """rsiflow environments: the `Env` interface and `make_env`, which builds one from a config name.
 
-Built in: "household", "arithmetic", "tooluse" (plain Python) and "scienceworld" (needs the
+Built in: "household", "arithmetic", "tooluse", "explain" (no verifier; plain Python) and "scienceworld" (needs the
 optional `scienceworld` package and Java; imported only when asked for). Any other
 "package.module:Class" naming an `Env` subclass works too; `python -m envs.conformance NAME`
 checks that an env honours the interface.
@@ -16,6 +16,7 @@ from typing import Any
 
 from envs.arithmetic import ArithmeticEnv
 from envs.base import Env, StepResult, TaskSpec
+from envs.explain import ExplainEnv
 from envs.household import HouseholdEnv
 from envs.tooluse import ToolUseEnv
 
@@ -23,7 +24,7 @@ __all__ = ["BUILTIN_ENVS", "LAZY_ENVS", "Env", "EnvError", "StepResult", "TaskSp
            "make_env"]
 
 BUILTIN_ENVS: dict[str, type[Env]] = {"household": HouseholdEnv, "arithmetic": ArithmeticEnv,
-                                      "tooluse": ToolUseEnv}
+                                      "tooluse": ToolUseEnv, "explain": ExplainEnv}
 # Built-ins with optional dependencies: imported on first use, so the package works without them.
 LAZY_ENVS: dict[str, str] = {"scienceworld": "envs.scienceworld:ScienceWorldEnv"}
 
@@ -114,7 +115,7 @@ def check_env_kwargs(name: str, kwargs: dict[str, Any]) -> None:
 
 
 def make_env(name: str, **kwargs: Any) -> Env:
-    """An env from a built-in name ("household", "arithmetic", "tooluse", "scienceworld") or a
+    """An env from a built-in name ("household", "arithmetic", "tooluse", "explain", "scienceworld") or a
     "package.module:Class" naming an Env subclass (looked up on sys.path, then in the current
     directory), constructed with `kwargs`."""
     return env_class(name)(**kwargs)

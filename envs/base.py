@@ -70,12 +70,17 @@ class Env(ABC):
                       is accepted when played. False where the lists over-generate (ScienceWorld's valid
                       actions: some listed ones are refused); the conformance check then only asks that
                       most of them are accepted.
+    verifiable        bool, a class attribute (default True): `step` reports whether the task was solved.
+                      False for a task family with no verifier (explain): success is never claimed, and
+                      methods that need a judgement ask a judge (MASS) instead.
     """
 
     name: ClassVar[str]
     task_types: tuple[str, ...]
     admissible_exact: ClassVar[bool] = True
     """True: every listed admissible action is accepted when played; False: the lists over-generate."""
+    verifiable: ClassVar[bool] = True
+    """True: `step`'s success and reward say whether the task was solved; False: no verifier (never a success)."""
 
     @abstractmethod
     def sample_tasks(self, split: str, n: int, seed: int) -> list[TaskSpec]:

@@ -426,6 +426,46 @@ def _log_to(trainer, log_dir: str | Path | None) -> None:
             callback.logging_dir = str(log_dir)
 
 
+class BestValidationCallback(TrainerCallback):
+    """After every epoch: the token-mean cross-entropy of the validation rows (SFT rows never trained on) under
+    the current weights; a copy of the weights with the lowest one so far is kept (on CPU) for `restore`."""
+
+    def __init__(self, rows: list[dict], pad_id: int, batch_size: int):
+        self.rows, self.pad_id, self.batch_size = rows, pad_id, batch_size
+        self.losses: list[float] = []
+        self.best: dict | None = None
+        self.best_epoch: int | None = None
+
+    @torch.no_grad()
+    def loss(self, model) -> float:
+        was_training = model.training
+        model.eval()
+        total, tokens = 0.0, 0
+        device = next(model.parameters()).device
+        for i in range(0, len(self.rows), self.batch_size):
+            batch = self.rows[i:i + self.batch_size]
+            ids = _pad([r["input_ids"] for r in batch], self.pad_id).to(device)
+            labels = _pad([r["labels"] for r in batch], -100).to(device)
+            mask = _pad([[1] * len(r["input_ids"]) for r in batch], 0).to(device)
+            logits = model(input_ids=ids, attention_mask=mask).logits
+            n = int((labels[:, 1:] != -100).sum())
+            total += float(weighted_token_ce(logits, labels, torch.ones(len(batch)))) * n
+            tokens += n
+        model.train(was_training)
+        return total / max(tokens, 1)
+
+    def on_epoch_end(self, args, state, control, model=None, **kwargs):
+        loss = self.loss(model)
+        self.losses.append(loss)
+        if self.best is None or loss < min(self.losses[:-1]):
+            self.best = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            self.best_epoch = len(self.losses)
+
+    def restore(self, model) -> None:
+        if self.best is not None:
+            model.load_state_dict(self.best)
+
+
 class _ProgressCallback(TrainerCallback):
     def __init__(self, on_step):
         self.on_step = on_step
@@ -460,6 +500,10 @@ def train_candidate(
     (mean over steps), and the rollout/trainer mismatch (mean |Δ logprob|, KL(sampler ‖ trainer), the share
     of capped tokens, the mean correction weight). With no usable rows the candidate is a copy of the parent.
 
+    Rows marked `validation: True` (SFT rows; MASS's next-ranked episodes) are never trained on: after every epoch
+    their loss is measured and the checkpoint saved is the epoch's weights with the lowest one (metrics
+    validation_losses, validation_loss_best, validation_best_epoch); GRPO rounds take no validation rows.
+
     Training metrics go to the trackers of `cfg.report_to` (TRL's report_to) under `run_name`; TensorBoard writes
     its event files into `log_dir`. The trainer's own output folder is temporary: it saves no checkpoint (the
     candidate is saved to `out_dir` once, at the end).
@@ -468,6 +512,11 @@ def train_candidate(
 
     model, tokenizer = load_model_and_tokenizer(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
     policy = policy or PolicyLoss()
+    validation_in = [r for r in rows if r.get("validation")]
+    rows = [r for r in rows if not r.get("validation")]
+    if validation_in and any(r.get("kind") == "pg" for r in rows):
+        raise ValueError("validation rows are supported by the SFT trainer only, not with policy-gradient rows")
+    validation, _ = encode_rows(tokenizer, validation_in, cfg.max_length)
     pg_in = [r for r in rows if r.get("kind") == "pg"]
     skipped = [r for r in pg_in if policy.skip_zero_advantage and policy.beta == 0 and r["advantage"] == 0.0]
     pg, pg_counts = encode_pg_rows(tokenizer, [r for r in pg_in if r not in skipped], cfg.max_length)
@@ -501,6 +550,7 @@ def train_candidate(
                                      target_modules="all-linear", task_type="CAUSAL_LM")
     model.train()
     callbacks = [_ProgressCallback(on_step)] if on_step else None
+    best = None
     if pg:
         args = grpo_args(cfg, policy, trainer_dir.name, seed, len(pg), use_cpu, bf16, report)
         trainer = StoredRolloutGRPOTrainer(model=model, args=args, processing_class=tokenizer, peft_config=peft_config,
@@ -531,14 +581,20 @@ def train_candidate(
         )
         dataset = Dataset.from_list(encoded)
         used_ids = list(dataset["example_id"])
+        best = BestValidationCallback(validation, tokenizer.pad_token_id, cfg.batch_size) if validation else None
         trainer = RoundTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                               peft_config=peft_config, callbacks=callbacks,
+                               peft_config=peft_config, callbacks=(callbacks or []) + ([best] if best else []),
                                data_collator=RowCollator(pad_token_id=tokenizer.pad_token_id), distill=distill)
     _log_to(trainer, log_dir)
     result = trainer.train()
     trainer_dir.cleanup()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     trained = trainer.model
+    if best is not None:
+        best.restore(trained)
+        metrics.update(validation_examples=len(validation), validation_losses=best.losses,
+                       validation_loss_best=min(best.losses) if best.losses else None,
+                       validation_best_epoch=best.best_epoch)
     if cfg.lora.enabled:
         trained = trained.merge_and_unload()
     trained.eval()

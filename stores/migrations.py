@@ -443,6 +443,83 @@ CREATE TABLE rsipo_library (
 );
 """
 
+# MASS (METHODS.md §4): the workflow versions a round searched (spec, parent, proposer, verdict figures, whether
+# it became the champion and whether it was retained), every multi-agent (or bare) episode the method played
+# (each hop's output, the final answer, the verifier's outcome), every pairwise verdict (both orders, the judge,
+# its rationale), and the Bradley-Terry ranking of the teacher episodes with the split each went to.
+MASS_TABLES = """
+CREATE TABLE mass_workflows (
+    workflow_id     VARCHAR,      -- '<run>/r<round>/mass/reference' or '.../v<k>'
+    run_id          VARCHAR,
+    round           INTEGER,
+    step            VARCHAR,
+    version         INTEGER,      -- -1 the reference (bare task), 0..N the searched versions
+    parent_id       VARCHAR,      -- the champion it was derived from (NULL for the reference)
+    spec            JSON,         -- {"agents": [{role, instruction, contract}], "hops": [...]}
+    proposer        VARCHAR,      -- reference | previous | seed | model | mutation | mutation-after-invalid-proposal
+    proposal        VARCHAR,      -- the model's raw proposal, or the mutation applied
+    diff            VARCHAR[],    -- changes from the parent
+    model_id        VARCHAR,      -- the model that played (and judged, with judge 'self') it
+    win_vs_reference DOUBLE,      -- mean combined judge score against the reference on the search tasks
+    win_vs_champion  DOUBLE,      -- ... against the champion at the time (NULL when the champion is the reference)
+    verifier_success DOUBLE,      -- share of its search episodes the verifier accepts (NULL: no verifier)
+    accepted        BOOLEAN,      -- became the champion during the search
+    retained        BOOLEAN       -- the round's champion at the end of the search (teacher collection used it)
+);
+
+CREATE TABLE mass_episodes (
+    episode_id   VARCHAR,
+    run_id       VARCHAR,
+    round        INTEGER,
+    step         VARCHAR,         -- distill (search, teacher) or gate (assess)
+    purpose      VARCHAR CHECK (purpose IN ('search', 'teacher', 'assess')),
+    workflow_id  VARCHAR,         -- NULL for assess episodes (bare single-agent answers of one model)
+    task_id      VARCHAR,
+    model_id     VARCHAR,
+    hops         JSON,            -- [{"role", "output", "tokens"}]
+    final_text   VARCHAR,         -- the answer given to the env
+    gen_tokens   INTEGER,         -- every hop's tokens
+    final_tokens INTEGER,         -- the answer's tokens
+    success      BOOLEAN,         -- the verifier's outcome (NULL: no verifier)
+    reward       DOUBLE
+);
+
+CREATE TABLE mass_verdicts (
+    verdict_id     VARCHAR,
+    run_id         VARCHAR,
+    round          INTEGER,
+    step           VARCHAR,
+    purpose        VARCHAR,       -- search | teacher | assess
+    judge          VARCHAR CHECK (judge IN ('self', 'oracle')),
+    judge_model_id VARCHAR,       -- NULL for the oracle (the env's verifier)
+    task_id        VARCHAR,
+    x_episode_id   VARCHAR,
+    y_episode_id   VARCHAR,
+    verdict_xy     VARCHAR,       -- x shown as A: A | B | tie | invalid
+    rationale_xy   VARCHAR,
+    raw_xy         VARCHAR,
+    verdict_yx     VARCHAR,       -- y shown as A
+    rationale_yx   VARCHAR,
+    raw_yx         VARCHAR,
+    score          DOUBLE,        -- x's combined score over both orders: 0, 0.25, 0.5, 0.75, 1
+    verifier_x     BOOLEAN,
+    verifier_y     BOOLEAN
+);
+
+CREATE TABLE mass_rankings (
+    run_id      VARCHAR,
+    round       INTEGER,
+    step        VARCHAR,
+    task_id     VARCHAR,
+    episode_id  VARCHAR,
+    games       INTEGER,
+    wins        DOUBLE,           -- sum of its combined scores
+    bt_score    DOUBLE,           -- log p of the Bradley-Terry fit over the task's teacher episodes
+    rank        INTEGER,          -- 1 = best of the task
+    split       VARCHAR           -- train | validation | NULL (not used)
+);
+"""
+
 MIGRATIONS: list[tuple[int, str, str]] = [
     (1, "initial schema", INITIAL_SCHEMA),
     (2, "SRD notes and foresight pairs", SRD_TABLES),
@@ -452,6 +529,7 @@ MIGRATIONS: list[tuple[int, str, str]] = [
     (6, "X-Tree trees, nodes, occurrences and online bonuses", XTREE_TABLES),
     (7, "checkpoints deleted by retention", RETENTION),
     (8, "RSIPO skills, replays and library", RSIPO_TABLES),
+    (9, "MASS workflows, verdicts, rankings", MASS_TABLES),
 ]
 
 

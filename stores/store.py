@@ -649,6 +649,20 @@ class Store:
                          [run_id, round], json_cols=("prompt",))
         return {r["skill_id"]: r for r in rows}
 
+    def base_model(self, run_id: str) -> str | None:
+        """The run's base model (its `models` row with role 'base'), or None."""
+        rows = self.rows("SELECT model_id FROM models WHERE run_id = ? AND role = 'base' ORDER BY created_at LIMIT 1",
+                         [run_id])
+        return rows[0]["model_id"] if rows else None
+
+    def mass_retained_workflow(self, run_id: str, round: int) -> dict | None:
+        """MASS: the workflow retained by the run's newest round before `round` that retained one other than the
+        reference (workflow_id, round, version, spec parsed), or None."""
+        rows = self.rows("SELECT workflow_id, round, version, spec FROM mass_workflows WHERE run_id = ? AND round < ?"
+                         " AND retained AND version >= 0 AND step = 'distill' ORDER BY round DESC LIMIT 1",
+                         [run_id, round], json_cols=("spec",))
+        return rows[0] if rows else None
+
     def latest_heldout(self, run_id: str, model_id: str | None) -> dict | None:
         """A model's newest held-out evaluation over all task types: success_rate, ci_low, ci_high, n,
         successes, tokens_per_success; None if it has none."""

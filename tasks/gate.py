@@ -28,6 +28,7 @@ from methods.gating import Rule, look_sizes, sequential_decision
 from methods.rollout import Episode
 from tasks.common import backend_for, env_factory, episode_rows, open_store, play, utcnow
 from tasks.evaluate import success_rows
+from tasks.methods import AssessContext, enabled_methods
 from tasks.train import candidate_id
 
 
@@ -85,6 +86,8 @@ def gate_candidate(cfg: Config, round: int) -> dict:
         trained = store.has_model(cid)
         paths = {m: store.model_path(m) for m in ((cid, champion) if trained else (champion,))}
         stored = _stored_results(store, run_id, champion, [t.task_id for t in tasks])
+        base = store.base_model(run_id)
+        base_path = store.model_path(base)
 
     # results[model][i]: the model's outcome on held-out task i, from the store or played here
     results: dict[str, dict[int, dict]] = {m: {} for m in paths}
@@ -135,6 +138,12 @@ def gate_candidate(cfg: Config, round: int) -> dict:
                     champion_tasks_reused=n - len(played[champion]),
                     champion_trajectories=[results[champion][i]["traj_id"] for i in range(n)])
     new_champion = cid if decision == "promote" else champion
+    # each enabled method's own assessment of the candidate (e.g. MASS: win rate against the base, self-judged)
+    assessed = {}
+    if trained:
+        actx = AssessContext(cfg=cfg, round=round, candidate=cid, candidate_path=paths[cid], champion=champion,
+                             champion_path=paths[champion], base=base, base_path=base_path, heldout=tasks)
+        assessed = {m.name: (m, c) for m in enabled_methods(cfg) if (c := m.assess(actx)) is not None}
 
     with open_store(cfg) as store, store.step(run_id, round, "gate", started) as tx:
         tx.insert("tasks", [t.to_row() for t in tasks[:n]])
@@ -151,6 +160,15 @@ def gate_candidate(cfg: Config, round: int) -> dict:
                                       "new_champion_id": new_champion}])
         if trained:
             tx.set_model_role(cid, "champion" if decision == "promote" else "rejected")
+        for name, (m, c) in assessed.items():
+            unknown = set(c.tables) - set(m.tables)
+            if unknown:
+                raise ValueError(f"method {name!r} assessed into tables it does not declare in `tables`: "
+                                 f"{sorted(unknown)}")
+            for table, rows in c.tables.items():
+                tx.insert(table, rows)
+        if assessed:
+            tx.metrics({name: c.metrics for name, (_, c) in assessed.items()})
     logger = get_run_logger()
     logger.info("round %d gate: %s", round, line)
     emit_gate_event(gate_event(run_id, round, decision, cid if trained else None, champion, new_champion,

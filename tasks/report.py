@@ -16,7 +16,8 @@ from tasks.methods import method_class
 
 def round_rows(store: Store, run_id: str) -> list[dict]:
     """One dict per round that has a gate decision: what a person wants to see per round. Each method
-    that ran in the round adds its figures under its name (`Method.round_metrics`)."""
+    that ran in the round adds its figures under its name (`Method.round_metrics`, and its `assess`ment of the
+    candidate from the gate step)."""
     out = []
     for d in store.promotion_history(run_id):
         r = d["round"]
@@ -26,6 +27,8 @@ def round_rows(store: Store, run_id: str) -> list[dict]:
         per_method = {}
         for name, figures in (store.step_metrics(run_id, r, "distill") or {}).items():
             per_method[name] = method_class(name).round_metrics(figures, tm)
+        for name, figures in (store.step_metrics(run_id, r, "gate") or {}).items():   # Method.assess
+            per_method[name] = {**(per_method.get(name) or {}), **figures}
         out.append({
             "round": r,
             **per_method,

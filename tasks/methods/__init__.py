@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from importlib import import_module
 
-from tasks.methods.base import Contribution, DistillContext, Method
+from tasks.methods.base import AssessContext, Contribution, DistillContext, Method
 
-__all__ = ["METHODS", "Contribution", "DistillContext", "Method", "enabled_methods", "method_class"]
+__all__ = ["METHODS", "AssessContext", "Contribution", "DistillContext", "Method", "enabled_methods", "method_class"]
 
 # name -> "module:Class", imported on first use.
 METHODS: dict[str, str] = {
@@ -24,6 +24,8 @@ METHODS: dict[str, str] = {
     "srd": "tasks.methods.srd:SRD",
     "grpo": "tasks.methods.grpo:GRPO",
     "xtree": "tasks.methods.xtree:XTree",
+    "rsipo": "tasks.methods.rsipo:RSIPO",
+    "mass": "tasks.methods.mass:MASS",
 }
 
 

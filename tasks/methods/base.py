@@ -6,7 +6,9 @@ for minutes), and writes every method's `Contribution` in one transaction: `exam
 method's own `tables` and its `metrics` (stored with the step, keyed by method name). The train
 step asks each method for its `training_rows` (kinds the trainer knows), its `distill_loss` and its
 `policy_loss`;
-the report shows each method's `round_metrics` and `report_section`.
+the gate step, once candidate and champion have played, asks each for its `assess`ment of the candidate
+(figures and rows of its tables written in the gate's transaction, e.g. a self-judged win rate against the
+base); the report shows each method's `round_metrics` (with its assessment merged in) and `report_section`.
 """
 
 from __future__ import annotations
@@ -53,6 +55,26 @@ class DistillContext:
         return self._backend
 
 
+@dataclass
+class AssessContext:
+    """What a method's `assess` sees in the gate step: the round, the trained candidate, the champion it was
+    trained from, the run's base model (paths to their checkpoints) and the gate's held-out tasks."""
+
+    cfg: Any                      # configs.schema.Config
+    round: int
+    candidate: str
+    candidate_path: str
+    champion: str
+    champion_path: str
+    base: str
+    base_path: str
+    heldout: list                 # envs.base.TaskSpec, the gate's sample in order
+
+    @property
+    def run_id(self) -> str:
+        return self.cfg.run.name
+
+
 def num(value, spec: str) -> str:
     """A figure for a report table: formatted with `spec`, or "-" when missing."""
     return format(value, spec) if value is not None else "-"
@@ -82,6 +104,13 @@ class Method:
         return [{"kind": "sft", "example_id": e["example_id"], "messages": e["messages"], "weight": e["weight"],
                  "train_from": (e["meta"] or {}).get("train_from", 0), "tools": (e["meta"] or {}).get("tools")}
                 for e in examples]
+
+    def assess(self, ctx: AssessContext) -> Contribution | None:
+        """Figures about the round's trained candidate, computed by the gate step with the store closed (it may
+        generate with the models): its `metrics` are stored in the gate step's metrics under the method's name and
+        merged into the round's figures (report, rounds.metrics); its `tables` rows (declared in `tables`) are
+        written in the gate's transaction; no examples. Default: None (nothing to assess)."""
+        return None
 
     def distill_loss(self):
         """The models.trainer.DistillLoss for this method's "distill" rows (None: it emits none)."""

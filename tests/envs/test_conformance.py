@@ -26,8 +26,11 @@ def test_conformance_of_plain_python_envs(env):
     assert report.ok, str(report)
     by_name = {r.name: r for r in report.results}
     assert by_name["fuzz"].status == "pass" and "3000 actions, none raised" in by_name["fuzz"].detail
-    assert by_name["expert"].status == "pass" and "solved 24/24" in by_name["expert"].detail
-    assert by_name["solution"].status == "pass" and "solved 24/24" in by_name["solution"].detail
+    if env == "explain":   # no verifier: no expert, no solution
+        assert by_name["expert"].status == by_name["solution"].status == "skip"
+    else:
+        assert by_name["expert"].status == "pass" and "solved 24/24" in by_name["expert"].detail
+        assert by_name["solution"].status == "pass" and "solved 24/24" in by_name["solution"].detail
     assert by_name["rules"].status == "pass"
     assert by_name["tools"].status == ("pass" if env == "tooluse" else "skip")
     assert by_name["max_turns"].status == "skip"   # no turn limit given
@@ -47,7 +50,7 @@ def test_conformance_of_scienceworld():
 
 
 def test_every_builtin_is_covered():
-    assert set(BUILTIN_ENVS) | set(LAZY_ENVS) == {"household", "arithmetic", "tooluse", "scienceworld"}
+    assert set(BUILTIN_ENVS) | set(LAZY_ENVS) == {"household", "arithmetic", "tooluse", "explain", "scienceworld"}
 
 
 def test_hostile_actions_are_many_and_varied():

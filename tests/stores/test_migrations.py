@@ -31,7 +31,8 @@ def test_every_step_written_table_is_cleared_by_step(store):
     assert store.step_tables == {"models", "tasks", "trajectories", "turns", "examples",
                                  "train_inputs", "evaluations", "gate_decisions", "notes", "foresight",
                                  "xtree_trees", "xtree_nodes", "xtree_occurrences", "xtree_bonus",
-                                 "rsipo_skills", "rsipo_tests", "rsipo_library"}
+                                 "rsipo_skills", "rsipo_tests", "rsipo_library",
+                                 "mass_workflows", "mass_episodes", "mass_verdicts", "mass_rankings"}
 
 
 def test_importing_stores_pulls_no_heavy_dependencies():
