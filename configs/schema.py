@@ -278,6 +278,34 @@ class XTreeConfig(_Section):
         "distill.srd.loss_weight when srd runs too (the trainer has one such term).")
 
 
+class RsipoConfig(_Section):
+    skill_writer: Literal["policy", "template"] = Field(
+        "policy",
+        description="Who writes each task's skill. policy: the champion summarises the group's best rollout into a "
+        "short general procedure (RSIPO). template: the canonical actions of a successful rollout of the group (else "
+        "of the env's expert solution) rendered as steps, for models too small to write usable skills; a named "
+        "writer, logged and recorded with every skill, never a silent fallback.")
+    replays: int = Field(4, ge=2, le=1024, description="M: rollouts of the same task from the same seed with the skill "
+        "in the task message, per skill tested (at least 2: the gain's noise variance needs a sample variance). "
+        "Replays cost M/G times the round's rollouts per skill tested.")
+    skill_max_tokens: int = Field(96, ge=8, le=8192, description="Most tokens of a skill written by the policy "
+        "(sampled at backend.temperature / top_p, so its tokens can be trained by the skill-evolution term).")
+    skill_max_chars: int = Field(600, ge=40, description="A skill is cut to this many characters (at a line end).")
+    library_candidates: int = Field(1, ge=0, description="Skills of the task's type retrieved from the library per "
+        "task (lexical match with the task text) and re-tested by replay beside the new skill; 0 = no re-tests.")
+    retire_after: int = Field(2, ge=1, description="A library skill is retired once this many of its latest tests in "
+        "a row have a shrunk gain <= 0 (2: its first test and one re-test).")
+    trust_scale: float = Field(0.5, gt=0.0, description="c of the trust weight w = clip(shrunk gain / c, 0, 1) "
+        "(ours: a skill that raises the task's reward by c or more is fully trusted).")
+    loss_weight: float = Field(0.01, ge=0.0, description="λ of the trust-weighted distillation: L = L_GRPO + λ · "
+        "Σ_rows w · mean_t D / rows (the trainer SRD uses; its divergence settings are distill.srd's; the rows' sum "
+        "is divided by their count, not by their weights, so low trust means a smaller term).")
+    distill_trajectories: int | None = Field(None, ge=1, description="Most student rollouts per task scored with the "
+        "task's selected skill in the teacher's prompt; null = all of the group's.")
+    evolution: bool = Field(True, description="Skill evolution: the policy's skill-writing tokens trained as "
+        "policy-gradient rows of the GRPO loss with the type-centred gain as advantage (policy writer only).")
+
+
 class MassConfig(_Section):
     judge: Literal["self", "oracle"] = Field(
         "self", description="Who judges pairs of outputs in the workflow search and the teacher tournament. self: "
@@ -344,7 +372,8 @@ class DistillConfig(_Section):
         description="Methods that make training signal this round (tasks/methods: METHODS, or 'package.module:Class' "
         "of your own Method): exit (SFT on successes), srd (hindsight notes from failures distilled into foresight; "
         "trained alongside the other methods' loss with weight srd.loss_weight = λ), grpo (policy gradient with "
-        "group-relative advantages, TRL's GRPO loss).")
+        "group-relative advantages, TRL's GRPO loss), xtree (a tree of reusable action spans), rsipo (skills checked "
+        "by replay, trust-weighted distillation added to grpo's loss; needs grpo).")
     exit: ExitConfig = Field(default_factory=ExitConfig, description="ExIt: SFT on successful trajectories.")
     srd: SrdConfig = Field(default_factory=SrdConfig, description="SRD: Self-Retrospection Distillation (METHODS.md "
         "§1).")
@@ -352,6 +381,8 @@ class DistillConfig(_Section):
         "(TRL's GRPO loss).")
     xtree: XTreeConfig = Field(default_factory=XTreeConfig, description="X-Tree: a tree of reusable action spans "
         "mined from the run's rollouts, and its uses (METHODS.md §3).")
+    rsipo: RsipoConfig = Field(default_factory=RsipoConfig, description="RSIPO: skills written by the policy, "
+        "checked by replay, trusted by empirical Bayes, kept in a library (METHODS.md §2).")
     mass: MassConfig = Field(default_factory=MassConfig, description="MASS: the model searches a multi-agent "
         "workflow, judges its own outputs pairwise, ranks them (Bradley-Terry) and is fine-tuned to answer alone as "
         "the workflow did (METHODS.md §4); method name 'mass'.")

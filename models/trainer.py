@@ -3,7 +3,7 @@ kind a method emits. Without policy-gradient rows the trainer is TRL's `SFTTrain
 weighted SFT rows and privileged-teacher distillation rows (models/encoding.py), in the same batches
 and one loss:
 
-    L = L_SFT + λ · Σ_e w_e · mean_t(IS_t · D_t) / Σ_e w_e
+    L = L_SFT + λ · Σ_e w_e · mean_t(IS_t · D_t) / Σ_e w_e     (or / the row count: DistillLoss.normalise)
 
 L_SFT is `losses.weighted_token_ce` (used whatever the weights, all 1 or not); D_t is
 `losses.topk_divergence` between the teacher (the policy itself, current weights or an EMA copy,
@@ -76,6 +76,12 @@ class DistillLoss:
     top_k: int = 100               # teacher's top-k tokens + one tail bucket
     is_clip: float | None = 2.0    # per-token IS weight cap; None = no IS weight
     ema_rate: float = 0.05         # EMA teacher rate; 0 = the current weights are the teacher
+    normalise: str = "weights"     # the rows' weighted sum divided by Σ w ("weights") or by the row count ("rows":
+                                   # RSIPO's trust weights then scale the term, METHODS.md §2)
+
+    def __post_init__(self):
+        if self.normalise not in ("weights", "rows"):
+            raise ValueError(f"DistillLoss.normalise must be 'weights' or 'rows', not {self.normalise!r}")
 
 
 class RowCollator(DataCollatorForLanguageModeling):
@@ -172,7 +178,8 @@ class RowLoss:
         return loss, outputs
 
     def _distill_term(self, model, logits, input_ids, weights, rows, extra) -> tuple[torch.Tensor, dict]:
-        """Σ_e w_e · mean_t(IS_t · D_t) / Σ_e w_e over the batch's distillation rows."""
+        """Σ_e w_e · mean_t(IS_t · D_t) over the batch's distillation rows, divided by Σ_e w_e (normalise "weights")
+        or by their count ("rows")."""
         d = self.distill
         teacher = self.ema_teacher if self.ema_teacher is not None else model
         with torch.no_grad():
@@ -190,7 +197,7 @@ class RowLoss:
             w_sum += float(weights[r])
             tokens += float(len(sp))
             is_sum += float(isw.mean())
-        term = torch.stack(per_example).sum() / max(w_sum, 1e-8)
+        term = torch.stack(per_example).sum() / (max(w_sum, 1e-8) if d.normalise == "weights" else len(per_example))
         return term, {"distill_rows": float(len(rows)), "distill_tokens": tokens, "is_weight_mean": is_sum / len(rows)}
 
 
