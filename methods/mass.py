@@ -234,11 +234,16 @@ def mutate(w: Workflow, rng: random.Random) -> tuple[Workflow, dict]:
 # ---- rendering ----------------------------------------------------------------------------------------------
 
 def solver_message(task_message: str, notes: list[tuple[str, str]], instruction: str, contract: str) -> str:
-    """The solver's task message: the earlier hops' notes, the bare task message, then its instruction and
-    contract in parentheses. With no notes, instruction or contract it is the bare task message itself."""
+    """The solver's task message: the earlier hops' notes, the bare task message with its instruction and contract
+    in parentheses before the message's last line (where the env asks for the action, e.g. "Your action:"; after
+    a one-line message). With no notes, instruction or contract it is the bare task message itself."""
     head = "".join(f"Note from the {role}: {text.strip()}\n" for role, text in notes)
     said = " ".join(x for x in (instruction, contract) if x)
-    return (f"{head}\n" if head else "") + task_message + (f"\n({said})" if said else "")
+    body = task_message
+    if said:
+        first, sep, last = task_message.rpartition("\n")
+        body = f"{first}\n({said}){sep}{last}" if sep else f"{task_message}\n({said})"
+    return (f"{head}\n" if head else "") + body
 
 
 def hop_messages(w: Workflow, hop: int, prefix: list[dict], task_message: str, task_text: str,

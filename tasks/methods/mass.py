@@ -396,9 +396,9 @@ class MASS(Method):
             env.close()
         cand, base_eps = answers["candidate"], answers["base"]
         self_win = win_rate([r.score for r in results], cfg.gate.confidence)
-        metrics = {"assess_n": len(results), "win_vs_base": self_win["rate"],
-                   "win_vs_base_ci": [self_win["ci_low"], self_win["ci_high"]],
-                   "win_vs_base_wlt": [self_win["wins"], self_win["ties"], self_win["losses"]],
+        metrics = {"assess_n": len(results), "win_vs_base": self_win["rate"], "win_vs_base_low": self_win["ci_low"],
+                   "win_vs_base_high": self_win["ci_high"], "wins_vs_base": self_win["wins"],
+                   "ties_vs_base": self_win["ties"], "losses_vs_base": self_win["losses"],
                    "candidate_tokens": mean(e.final_tokens for e in cand) if cand else None,
                    "base_tokens": mean(e.final_tokens for e in base_eps) if base_eps else None}
         tokens = metrics["candidate_tokens"]
@@ -410,8 +410,8 @@ class MASS(Method):
             v_win = win_rate(v_scores, cfg.gate.confidence)
             agree = agreement(results, verified)
             cs, bs = self._success(cand), self._success(base_eps)
-            metrics.update({"verifier_win_vs_base": v_win["rate"],
-                            "verifier_win_vs_base_ci": [v_win["ci_low"], v_win["ci_high"]],
+            metrics.update({"verifier_win_vs_base": v_win["rate"], "verifier_win_vs_base_low": v_win["ci_low"],
+                            "verifier_win_vs_base_high": v_win["ci_high"],
                             "candidate_success": cs, "base_success": bs,
                             "assess_agreement": agree["rate"], "assess_decided": agree["decided"],
                             "success_per_1k_tokens": 1000 * cs / tokens if tokens and cs is not None else None,
@@ -448,8 +448,9 @@ class MASS(Method):
                  "answer tokens cand/base | per 1k tokens |",
                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
-        def ci(rate, bounds):
-            return f"{rate:.3f} [{bounds[0]:.2f}, {bounds[1]:.2f}]" if rate is not None and bounds else "-"
+        def ci(m: dict, key: str) -> str:
+            rate, lo, hi = m.get(key), m.get(f"{key}_low"), m.get(f"{key}_high")
+            return f"{rate:.3f} [{lo:.2f}, {hi:.2f}]" if rate is not None and lo is not None else "-"
 
         for r in rows:
             m = r["mass"]
@@ -461,8 +462,7 @@ class MASS(Method):
                 f"{m.get('versions', '-')} | {m.get('judge', '-')} ({num(m.get('judge_agreement'), '.2f')}) | "
                 f"{m.get('examples', '-')} ({m.get('validation_examples', '-')}) / "
                 f"{m.get('train_answer_tokens', '-')} | {num(m.get('validation_loss_best'), '.3f')} | "
-                f"{ci(m.get('win_vs_base'), m.get('win_vs_base_ci'))} | "
-                f"{ci(m.get('verifier_win_vs_base'), m.get('verifier_win_vs_base_ci'))} | "
+                f"{ci(m, 'win_vs_base')} | {ci(m, 'verifier_win_vs_base')} | "
                 f"{num(m.get('assess_agreement'), '.2f')} | {num(m.get('candidate_tokens'), '.1f')}/"
                 f"{num(m.get('base_tokens'), '.1f')} | {num(m.get('win_per_1k_tokens'), '.1f')}"
                 f" ({num(m.get('success_per_1k_tokens'), '.1f')}) |")

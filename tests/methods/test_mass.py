@@ -176,7 +176,11 @@ def test_rendering_puts_notes_and_contract_around_the_bare_task_message():
     assert "What is 2 + 3?" in first[1]["content"] and "at most 3 short numbered steps" in first[1]["content"]
     last = hop_messages(w, 1, prefix, "What is 2 + 3?\nYour action:", "What is 2 + 3?", [("planner", "1. add")])
     assert last[:3] == prefix
-    assert last[3]["content"].startswith("Note from the planner: 1. add\n\nWhat is 2 + 3?\nYour action:")
+    assert last[3]["content"] == ("Note from the planner: 1. add\n\nWhat is 2 + 3?\n(Follow your team's notes.)\n"
+                                  "Your action:")
+    one_line = hop_messages(Workflow(agents=(Agent(FINAL_ROLE, "", "short"),), hops=(FINAL_ROLE,)), 0, [], "Q?", "Q?",
+                            [])
+    assert one_line[-1]["content"] == "Q?\n(short)"
     bare = hop_messages(Workflow.reference(), 0, prefix, "What is 2 + 3?\nYour action:", "What is 2 + 3?", [])
     assert bare == [*prefix, {"role": "user", "content": "What is 2 + 3?\nYour action:"}]
 

@@ -217,11 +217,29 @@ def test_trainer_keeps_the_lowest_validation_loss_checkpoint(tmp_path, tiny_path
     assert len(losses) == 3 and metrics["validation_loss_best"] == min(losses)
     assert metrics["validation_best_epoch"] == losses.index(min(losses)) + 1
     # the saved checkpoint is the best epoch's: its validation loss is the best one
+    from models.encoding import encode_rows
     from models.loading import load_model_and_tokenizer
     from models.trainer import BestValidationCallback
-    from models.encoding import encode_rows
 
     model, tok = load_model_and_tokenizer(tmp_path / "out")
     enc, _ = encode_rows(tok, [rows[-1]], 512)
     assert BestValidationCallback(enc, tok.pad_token_id, 2).loss(model) == pytest.approx(min(losses), rel=1e-4)
     assert json.dumps(metrics)   # stored as JSON with the model
+
+
+def test_report_section_shows_the_figures_with_intervals():
+    from tasks.methods.mass import MASS
+
+    m = {"teacher": "workflow", "retained_hops": "analyst -> solver", "collected": True, "accepted": 1, "versions": 4,
+         "judge": "self", "judge_agreement": 0.5, "examples": 8, "validation_examples": 8, "train_answer_tokens": 120,
+         "validation_loss_best": 1.234, "win_vs_base": 0.625, "win_vs_base_low": 0.43, "win_vs_base_high": 0.79,
+         "verifier_win_vs_base": 0.5, "verifier_win_vs_base_low": 0.31, "verifier_win_vs_base_high": 0.69,
+         "assess_agreement": 0.25, "candidate_tokens": 12.5, "base_tokens": 14.0, "win_per_1k_tokens": 50.0,
+         "success_per_1k_tokens": 10.0, "retained_spec": '{"hops": ["analyst", "solver"]}'}
+    none = {"teacher": "workflow", "retained_hops": "solver", "collected": False, "accepted": 0, "versions": 4}
+    lines = MASS.report_section([{"round": 1, "mass": m}, {"round": 2, "mass": none}, {"round": 3}])
+    text = "\n".join(lines)
+    assert "| 1 | workflow | analyst -> solver | 1/4 | self (0.50) | 8 (8) / 120 | 1.234 | 0.625 [0.43, 0.79] | " \
+           "0.500 [0.31, 0.69] | 0.25 | 12.5/14.0 | 50.0 (10.0) |" in text
+    assert "| 2 | workflow | solver (none beat the reference) | 0/4 |" in text and "| 3 |" not in text
+    assert "Retained workflow of round 2" not in text and MASS.report_section([{"round": 1}]) == []
