@@ -243,3 +243,13 @@ def test_report_section_shows_the_figures_with_intervals():
            "0.500 [0.31, 0.69] | 0.25 | 12.5/14.0 | 50.0 (10.0) |" in text
     assert "| 2 | workflow | solver (none beat the reference) | 0/4 |" in text and "| 3 |" not in text
     assert "Retained workflow of round 2" not in text and MASS.report_section([{"round": 1}]) == []
+
+
+def test_a_model_proposal_that_is_no_spec_becomes_a_recorded_mutation(tmp_path, tiny_path):
+    cfg = config(tmp_path, "distill.mass.judge=oracle", "distill.mass.proposer=model", "distill.mass.versions=2",
+                 "distill.mass.search_tasks=2", "distill.mass.proposal_max_tokens=16")
+    _, out, _ = distill(cfg, tiny_path)
+    (v1,) = [w for w in out.tables["mass_workflows"] if w["version"] == 1]
+    # the tiny random model writes no JSON spec: the mutation operator proposed instead, and says so
+    assert v1["proposer"] == "mutation-after-invalid-proposal" and "(model: proposal:" in v1["proposal"]
+    assert out.metrics["proposers"] == {"mutation-after-invalid-proposal": 1, "seed": 1}
