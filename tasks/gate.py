@@ -1,7 +1,9 @@
 """gate: candidate and champion play the same held-out tasks with the same seeds; the config's
 promotion rule decides on the paired outcomes (methods/gating.py); the decision and its evidence
 are recorded either way, and a Prefect event `rsiflow.gate.<decision>` is emitted. A round that
-trained no candidate (no examples) records a 'skip'; the champion stays.
+trained no candidate (no examples) records a 'skip'; the champion stays. Once a trained candidate has
+played, each enabled method may assess it (`Method.assess`, e.g. MASS's self-judged win rate against the
+base): its rows go into the gate's transaction, its figures into the step's metrics.
 
 With `gate.max_heldout_tasks` the sample grows look by look (n0, 2·n0, ... the maximum) while the
 paired test is inconclusive; each look plays only the tasks it adds. The held-out sample is drawn
