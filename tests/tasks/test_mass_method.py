@@ -253,3 +253,27 @@ def test_a_model_proposal_that_is_no_spec_becomes_a_recorded_mutation(tmp_path, 
     # the tiny random model writes no JSON spec: the mutation operator proposed instead, and says so
     assert v1["proposer"] == "mutation-after-invalid-proposal" and "(model: proposal:" in v1["proposal"]
     assert out.metrics["proposers"] == {"mutation-after-invalid-proposal": 1, "seed": 1}
+
+
+def test_tooluse_calc_answers_are_verified_and_examples_carry_the_tools(tmp_path, tiny_path):
+    from envs.tooluse import ToolUseEnv
+
+    cfg = load_config([TINY], [f"run.store={tmp_path / 'store.duckdb'}", f"run.run_dir={tmp_path / 'run'}",
+                               "env.name=tooluse", "env.kwargs={task_types: [calc], max_steps: 6}", "env.max_turns=6",
+                               "env.show_admissible=false", "env.project_actions=false", "distill.methods=[mass]",
+                               "distill.mass.judge=oracle", "distill.mass.teacher=single_agent",
+                               "distill.mass.episodes_per_task=2", "distill.mass.opponents=1"])
+    (method,) = enabled_methods(cfg)
+    tasks = ToolUseEnv(task_types=["calc"]).sample_tasks("train", 2, 1)
+    prefix, tools = prompt_setup(cfg)
+    assert tools
+    with Store(cfg.run.store) as store:
+        with store.step("tiny", 1, "generate") as tx:
+            tx.insert("tasks", [t.to_row() for t in tasks])
+        ctx = DistillContext(cfg=cfg, round=1, champion="tiny-base", champion_path=str(tiny_path), trajectories=[],
+                             prefix=prefix, tools=tools)
+        inputs = method.read(store, ctx)
+    out = method.distill(ctx, inputs)
+    assert all(e["success"] is False for e in out.tables["mass_episodes"])   # verified (the tiny model can't answer)
+    assert out.examples and all(e["meta"]["tools"] == tools for e in out.examples)
+    assert out.metrics["judge_agreement"] is None          # the oracle judged: no model verdict to score
