@@ -357,6 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(func=cmd_report)
     args = parser.parse_args(argv)
     from configs.schema import ConfigError
+    from flows.errors import StepFailed
     from flows.lease import RunBusyError
     from stores.store import StoreError
 
@@ -375,6 +376,11 @@ def main(argv: list[str] | None = None) -> None:
         if getattr(args, "debug", False):
             raise
         sys.exit(f"rsiflow: {e}")
+    except StepFailed as e:
+        if getattr(args, "debug", False):
+            raise
+        sys.exit(f"rsiflow {args.command}: {e}; the steps before it are kept and the same command resumes from "
+                 "it (its traceback is in the log above; rsiflow --debug re-raises)")
     finally:
         signal.signal(signal.SIGTERM, previous)
 

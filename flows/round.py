@@ -21,7 +21,8 @@ from prefect.futures import PrefectConcurrentFuture
 from prefect.utilities.annotations import quote
 
 from configs.schema import Config, ConfigError, load_config
-from flows.lease import run_lease
+from flows.errors import StepFailed
+from flows.lease import LeaseLostError, run_lease
 from tasks.common import STEPS, open_store
 from tasks.deploy import redeploy
 from tasks.distill import distill_examples
@@ -87,8 +88,20 @@ def run_round(cfg: Config, lease_wait_s: float = 0.0) -> dict:
             # as a finished future (a state would be searched, result included).
             state = step_task(cfg, step)(quote(cfg), round, wait_for=[finished(previous)] if previous else None,
                                          return_state=True)
-            results[step], previous = state.result(), state
+            try:
+                results[step] = state.result()
+            except (ConfigError, LeaseLostError):
+                raise
+            except Exception as e:  # the step's own traceback is in its task run's log already
+                raise StepFailed(f"round {round} of run {run_id!r}: step {step} failed: {type(e).__name__}: "
+                                 f"{_first_line(e)}") from e
+            previous = state
     return {"round": round, "skipped": sorted(done), "results": results}
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else "(no message)"
 
 
 def finished(state: State) -> PrefectConcurrentFuture:

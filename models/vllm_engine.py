@@ -47,8 +47,17 @@ class Engine:
         os.environ.setdefault("OMP_NUM_THREADS", str(threads or os.cpu_count() or 1))
         start = time.perf_counter()
         from vllm import LLM
+        from vllm.platforms import current_platform
 
-        self.llm = LLM(model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+        scheduling = {}
+        if current_platform.is_cpu():
+            # vLLM 0.32's model runner rewinds a seeded request's generator when a step computed only part of
+            # its prefill (chunked prefill), and a CPU generator has no offset to rewind: the engine died with
+            # "CPU Generator does not use offset" on a default round (48 seeded ~600-token prompts). Prefill
+            # each prompt whole in one step instead (a step's token budget then covers the longest prompt).
+            scheduling = {"enable_chunked_prefill": False,
+                          "max_num_batched_tokens": max(max_model_len, 8192)}
+        self.llm = LLM(model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len, **scheduling,
                        enable_prefix_caching=True, logprobs_mode="processed_logprobs",
                        gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                        trust_remote_code=trust_remote_code,

@@ -11,6 +11,7 @@ import pytest
 from configs.schema import load_config
 from flows.cli import main
 from stores import Store
+from tasks.methods import Method
 from tasks.setup import identity
 from tests.conftest import REPO, TINY, tiny_overrides
 
@@ -231,3 +232,22 @@ def test_store_locked_by_another_process(tmp_path, store_path, monkeypatch):
     finally:
         holder.kill()
         holder.wait()
+
+
+class Crashing(Method):
+    """A method whose distill step raises, as a bug or a dead engine would."""
+    name = "crashing"
+
+    def distill(self, ctx, inputs):
+        raise RuntimeError("engine died\nsecond line of the message")
+
+
+@pytest.mark.slow
+def test_a_failing_step_ends_in_one_line_naming_round_and_step_and_resumes(tmp_path):
+    # before: Prefect's 60-line traceback of the flow run, after the task's own logged traceback
+    args = run_args(tmp_path, "distill.methods=[tests.flows.test_errors:Crashing]", "prefect.retries=0")
+    msg = rsiflow_error([*args, "--rounds", "1"])
+    assert msg.startswith("rsiflow run: round 1 of run 'tiny': step distill failed: RuntimeError: engine died;"), msg
+    assert "resumes" in msg
+    with Store(str(tmp_path / "store.duckdb"), read_only=True) as store:
+        assert store.completed_steps("tiny", 1) == {"generate", "evaluate"}
