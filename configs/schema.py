@@ -304,6 +304,10 @@ class RsipoConfig(_Section):
         "task's selected skill in the teacher's prompt; null = all of the group's.")
     evolution: bool = Field(True, description="Skill evolution: the policy's skill-writing tokens trained as "
         "policy-gradient rows of the GRPO loss with the type-centred gain as advantage (policy writer only).")
+    assess_tasks: int = Field(0, ge=0, description="Inference with a skill: the gate step also plays the trained "
+        "candidate on its first assess_tasks held-out tasks both ways, bare and with the library's best active skill "
+        "of the task's type in the task message (greedy, gate.seed), and records both successes and which way did "
+        "better (rounds.metrics.rsipo.assess_*); the promotion decision stays on the bare prompt. 0 = off.")
 
 
 class MassConfig(_Section):

@@ -44,7 +44,16 @@ from methods.rsipo import (
     trust,
 )
 from models.backend import SamplingParams
-from tasks.common import TurnProgress, env_factory, episode_rows, round_seed, sampling
+from tasks.common import (
+    TurnProgress,
+    backend_for,
+    env_factory,
+    episode_rows,
+    open_store,
+    play,
+    round_seed,
+    sampling,
+)
 from tasks.methods.base import Contribution, DistillContext, Method, num
 
 log = logging.getLogger(__name__)
@@ -66,6 +75,19 @@ class SkillPromptEnv:
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
+
+
+def play_with_skills(cfg, backend, episodes: list[Episode], blocks: dict[str, str], temperature: float, seed: int,
+                     desc: str) -> list[Episode]:
+    """Play episodes as generate does (the same runner, env settings and sampling), each task's skill block in its
+    task message, with a progress bar."""
+    bar = TurnProgress(desc, cfg.env.max_turns)
+    try:
+        return run_episodes(partial(SkillPromptEnv.build, env_factory(cfg), blocks), episodes, backend,
+                            sampling(cfg, temperature, seed), cfg.env.max_turns, cfg.env.show_admissible,
+                            cfg.env.few_shot, cfg.env.project_actions, on_turn=bar)
+    finally:
+        bar.close()
 
 
 def _best(members: list[dict]) -> dict:
@@ -148,7 +170,7 @@ class RSIPO(Method):
                      centred_gain=f.centred, weight=f.weight)
 
         # 5. training terms
-        pairs, examples = self._distill_pairs(ctx, valid, groups, skills, library)
+        pairs, examples = self._distill_pairs(ctx, valid, groups)
         evolution = self._evolution(ctx, valid, skills)
 
         # 6. the library after this round
@@ -260,14 +282,8 @@ class RSIPO(Method):
             episodes = [Episode(traj_id=f"{ctx.run_id}/r{ctx.round}/replay/{t['_ti']:04d}-{slot}-{k:02d}",
                                 task=specs[t["task_id"]], group_id=t["test_id"], sample_idx=k)
                         for t in batch for k in range(m)]
-            bar = TurnProgress(f"round {ctx.round} rsipo replay {slot}", cfg.env.max_turns)
-            try:
-                run_episodes(partial(SkillPromptEnv.build, env_factory(cfg), blocks), episodes, ctx.backend(),
-                             sampling(cfg, cfg.backend.temperature, round_seed(cfg, ctx.round, 22 + slot)),
-                             cfg.env.max_turns, cfg.env.show_admissible, cfg.env.few_shot, cfg.env.project_actions,
-                             on_turn=bar)
-            finally:
-                bar.close()
+            play_with_skills(cfg, ctx.backend(), episodes, blocks, cfg.backend.temperature,
+                             round_seed(cfg, ctx.round, 22 + slot), f"round {ctx.round} rsipo replay {slot}")
             by_test = defaultdict(list)
             for ep in episodes:
                 by_test[ep.group_id].append(ep)
@@ -279,8 +295,8 @@ class RSIPO(Method):
             turns += turn_rows
         return trajs, turns
 
-    def _distill_pairs(self, ctx: DistillContext, valid: list[dict], groups: dict[str, list[dict]],
-                       skills: dict[str, dict], library: list[LibrarySkill]) -> tuple[list[dict], list[dict]]:
+    def _distill_pairs(self, ctx: DistillContext, valid: list[dict],
+                       groups: dict[str, list[dict]]) -> tuple[list[dict], list[dict]]:
         """Per task, its selected skill (the test with the highest shrunk gain among those with w > 0) in the
         teacher's task message, scored on the group's rollouts; rows of `foresight` (channel 'rsipo') and examples
         weighted by w."""
@@ -363,6 +379,47 @@ class RSIPO(Method):
             "write_s": round(write_s, 2), "replay_s": round(replay_s, 2),
         }
 
+    # ---- inference with a skill (the gate step) ------------------------------------------------------
+
+    def assess(self, ctx):
+        """With distill.rsipo.assess_tasks > 0: the trained candidate plays the gate's first held-out tasks whose type
+        has an active library skill with a positive shrunk gain, bare and with the best such skill (highest last
+        shrunk gain) in the task message, greedy at gate.seed; the with-skill episodes are stored (purpose
+        'replay', step 'gate'); both successes and which way did better are the figures."""
+        n = self.cfg.distill.rsipo.assess_tasks
+        if n == 0:
+            return None
+        cfg = self.cfg
+        with open_store(cfg) as store:
+            library = store.rsipo_library(ctx.run_id, ctx.round + 1)
+        best: dict[str, dict] = {}
+        for e in library:
+            if e["status"] == "active" and (e["last_shrunk_gain"] or 0.0) > 0:
+                if e["task_type"] not in best or e["last_shrunk_gain"] > best[e["task_type"]]["last_shrunk_gain"]:
+                    best[e["task_type"]] = e
+        tasks = [t for t in ctx.heldout[:n] if t.task_type in best]
+        figures = {"assess_tasks": len(tasks), "assess_bare": None, "assess_with_skill": None, "assess_better": None,
+                   "assess_skills": sorted({best[t.task_type]["skill_id"] for t in tasks})}
+        if not tasks:
+            return Contribution(metrics=figures)
+        backend = backend_for(cfg, ctx.candidate_path)
+        blocks = {t.task_id: skill_block(best[t.task_type]["text"]) for t in tasks}
+        tag = f"{ctx.run_id}/r{ctx.round}/gate/rsipo"
+        bare = [Episode(traj_id=f"{tag}-bare/{i:04d}", task=t, group_id=f"{tag}-bare/{t.task_id}", sample_idx=0)
+                for i, t in enumerate(tasks)]
+        skilled = [Episode(traj_id=f"{tag}-skill/{i:04d}", task=t, group_id=f"{tag}-skill/{t.task_id}", sample_idx=0)
+                   for i, t in enumerate(tasks)]
+        play(cfg, backend, bare, cfg.gate.temperature, cfg.gate.seed, f"round {ctx.round} rsipo assess, bare")
+        play_with_skills(cfg, backend, skilled, blocks, cfg.gate.temperature, cfg.gate.seed,
+                         f"round {ctx.round} rsipo assess, with skills")
+        k0, k1 = sum(e.success for e in bare), sum(e.success for e in skilled)
+        figures.update(assess_bare=k0, assess_with_skill=k1,
+                       assess_better="skill" if k1 > k0 else "bare" if k0 > k1 else "tie")
+        log.info("round %d RSIPO assess: candidate %s on %d held-out tasks: %d bare, %d with the library's best skill",
+                 ctx.round, ctx.candidate, len(tasks), k0, k1)
+        trajs, turns = episode_rows(skilled, ctx.candidate, "replay")
+        return Contribution(tables={"trajectories": trajs, "turns": turns}, metrics=figures)
+
     # ---- training and reports -----------------------------------------------------------------------
 
     def training_rows(self, store, run_id: str, round: int, examples: list[dict]) -> list[dict]:
@@ -422,6 +479,13 @@ class RSIPO(Method):
                          f"{m['distill_rows']} ({num(m.get('distill_loss'), '.4f')}) | {m['evolution_rows']} "
                          f"({m['evolution_nonzero']}) | {m['library_size']} ({m['library_retired_now']}) | "
                          f"{num(m['library_mean_shrunk_gain'], '+.3f')} |")
+        assessed = [r for r in rows if r["rsipo"].get("assess_tasks")]
+        if assessed:
+            lines += ["", "Inference with a skill (gate step, the candidate on held-out tasks whose type has a trusted "
+                      "library skill, greedy; the promotion decision stays on the bare prompt):", ""]
+            lines += [f"- round {r['round']}: {r['rsipo']['assess_bare']}/{r['rsipo']['assess_tasks']} bare, "
+                      f"{r['rsipo']['assess_with_skill']}/{r['rsipo']['assess_tasks']} with the best library skill "
+                      f"({r['rsipo']['assess_better']})" for r in assessed]
         last = rows[-1]
         lines += ["", f"Skill library after round {last['round']}: the top active skills per task type (tests; mean "
                   "replay gain with its 95% interval; last shrunk gain and trust weight):", "",
