@@ -37,6 +37,7 @@ import secrets
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from multiprocessing.connection import Client
 from pathlib import Path
@@ -77,6 +78,7 @@ class _EngineProcess:
         self.dir = tempfile.mkdtemp(prefix="rsiflow-vllm-")
         self.socket = os.path.join(self.dir, "engine.sock")
         self.log_path = os.path.join(self.dir, "engine.log")
+        self._busy = threading.Lock()  # held while a request is in flight (a step's thread may be in one)
         key = secrets.token_hex(16)
         env = {**os.environ, "RSIFLOW_ENGINE_KEY": key, "RSIFLOW_PARENT_PID": str(os.getpid()),
                "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
@@ -107,8 +109,9 @@ class _EngineProcess:
 
     def call(self, op: str, **kwargs):
         try:
-            self.conn.send_bytes(json.dumps({"op": op, **kwargs}).encode())
-            reply = json.loads(self.conn.recv_bytes())
+            with self._busy:
+                self.conn.send_bytes(json.dumps({"op": op, **kwargs}).encode())
+                reply = json.loads(self.conn.recv_bytes())
         except (EOFError, OSError) as exc:
             raise RuntimeError(f"the vLLM engine process died ({exc!r}); last lines of {self.log_path}:\n"
                                f"{self.log_tail()}") from exc
@@ -117,9 +120,22 @@ class _EngineProcess:
         return reply.get("result")
 
     def close(self) -> None:
-        """Stop the engine, then kill whatever is left of its process group (vLLM's engine-core and workers)."""
-        with contextlib.suppress(Exception):
-            self.call("stop")
+        """Stop the engine, then kill whatever is left of its process group (vLLM's engine-core and workers).
+
+        When a request is still in flight (Ctrl-C or SIGTERM stopped rsiflow while a step's thread waited for a
+        generate call) the engine would finish that call before it read the stop: it is killed at once instead,
+        so rsiflow exits in seconds, not when the abandoned call would have ended."""
+        if self._busy.acquire(blocking=False):
+            try:
+                with contextlib.suppress(Exception):
+                    self.conn.send_bytes(json.dumps({"op": "stop"}).encode())
+                    if self.conn.poll(30):
+                        self.conn.recv_bytes()
+            finally:
+                self._busy.release()
+        else:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(Exception):
             self.conn.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
