@@ -279,3 +279,28 @@ def test_trust_weights_scale_the_distillation_term(tiny_path):
     assert terms["weights", 0.5] == pytest.approx(terms["weights", 1.0])
     with pytest.raises(ValueError, match="normalise"):
         DistillLoss(normalise="tokens")
+
+
+def test_on_household_the_teacher_sees_the_skill_where_the_replay_did(tmp_path, tiny_path):
+    """The real env's task message (observation, admissible actions, "Your action:"): each replay's first message is
+    the student's first message with the skill inserted by `with_skill`, the teacher's insertion."""
+    from methods.rsipo import skill_block, with_skill
+
+    cfg = load_config([TINY], [f"run.store={tmp_path / 'store.duckdb'}", f"run.run_dir={tmp_path / 'run'}",
+                               "distill.methods=[grpo,rsipo]", "distill.rsipo.skill_writer=template",
+                               "distill.rsipo.replays=2", "env.max_turns=2"])
+    generate(cfg, 1, tiny_path)
+    distill(cfg, 1, tiny_path)
+    with Store(cfg.run.store) as store:
+        tests = store.rows("SELECT t.test_id, t.group_id, t.replay_traj_ids, s.text FROM rsipo_tests t"
+                           " JOIN rsipo_skills s USING (skill_id)")
+        first = {r["traj_id"]: r["observation"] for r in store.rows(
+            "SELECT traj_id, observation FROM turns WHERE turn_idx = 0")}
+        students = {r["group_id"]: r["traj_id"] for r in store.rows(
+            "SELECT group_id, min(traj_id) AS traj_id FROM trajectories WHERE step = 'generate' GROUP BY 1")}
+    assert len(tests) == 4
+    for t in tests:
+        student = first[students[t["group_id"]]]
+        assert "Valid actions:" in student
+        for rid in t["replay_traj_ids"]:
+            assert first[rid] == with_skill(student, skill_block(t["text"]))
