@@ -87,10 +87,12 @@ class VLLMBackendConfig(_Section):
     threads: int | None = Field(None, ge=1, le=4096, description="CPU build: torch threads of the engine "
         "(OMP_NUM_THREADS); null = all cores (vLLM alone drops to 1 thread on this 2-core machine).")
     seed: int = Field(0, description="The engine's global seed (unseeded requests draw from it).")
-    score_temp_logprobs: bool = Field(
-        True, description="At temperature 1 with top_p < 1, score each completion once more (prompt_logprobs) to "
-        "get the temperature-only logprobs the GRPO mismatch correction needs; costs one prefill per row, mostly "
-        "from the prefix cache. Off: those turns skip the correction.")
+    score_temp_logprobs: Literal["auto"] | bool = Field(
+        "auto", description="At temperature 1 with top_p < 1, score each completion once more (prompt_logprobs) to "
+        "get the temperature-only logprobs the GRPO mismatch correction needs. Costs a full prefill of prompt + "
+        "completion per row and call (vLLM does not read its prefix cache for a request with prompt_logprobs): "
+        "a default-sized household turn took ~4x longer on this CPU. 'auto' = only when a method of "
+        "distill.methods uses them (GRPO); false: those turns skip the correction.")
     redeploy: Literal["reload", "restart"] = Field(
         "reload", description="How a new champion is served: 'reload' replaces the weights in place (vLLM's "
         "reload_weights; same architecture, falls back to a restart otherwise), 'restart' starts a new engine.")
@@ -108,8 +110,8 @@ class OpenAIBackendConfig(_Section):
     retries: int = Field(5, ge=0, le=50, description="Retries on connection errors and HTTP 502/503/504.")
     backoff_seconds: float = Field(1.0, ge=0, description="First retry delay; doubles each retry.")
     max_concurrency: int = Field(16, ge=1, le=1024, description="Requests in flight at once per generate call.")
-    score_temp_logprobs: bool = Field(
-        True, description="As backend.vllm.score_temp_logprobs; needs vLLM's prompt_logprobs extension.")
+    score_temp_logprobs: Literal["auto"] | bool = Field(
+        "auto", description="As backend.vllm.score_temp_logprobs; needs vLLM's prompt_logprobs extension.")
     redeploy: Literal["none", "vllm_reload", "command"] = Field(
         "none", description="How the server is made to serve another checkpoint (a new champion, or the gate's "
         "candidate): 'vllm_reload' = vLLM's dev endpoints collective_rpc reload_weights + reset_prefix_cache (server "

@@ -35,12 +35,24 @@ def env_factory(cfg: Config):
     return partial(make_env, cfg.env.name, **cfg.env.kwargs)
 
 
+def backend_options(cfg: Config) -> dict:
+    """The chosen backend's options as its `open` takes them: `dtype` defaults to the model's, and
+    `score_temp_logprobs: auto` becomes whether a method of `distill.methods` reads temperature-only logprobs."""
+    options = cfg.backend.options()
+    options["dtype"] = options.get("dtype") or cfg.model.dtype  # a backend may sample in another dtype than training
+    if options.get("score_temp_logprobs") == "auto":
+        from tasks.methods import method_class
+
+        options["score_temp_logprobs"] = any(method_class(m).uses_temp_logprobs for m in cfg.distill.methods)
+    return options
+
+
 def backend_for(cfg: Config, model_path: str):
     """The configured generation backend (`backend.kind`, its own options section) serving `model_path`."""
     from models.backend import open_backend
 
-    options = cfg.backend.options()
-    dtype = options.pop("dtype", None) or cfg.model.dtype  # a backend may sample in another dtype than training
+    options = backend_options(cfg)
+    dtype = options.pop("dtype")
     return open_backend(cfg.backend.kind, model_path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code,
                         **options)
 

@@ -86,6 +86,9 @@ class Method:
 
     name: ClassVar[str]
     tables: ClassVar[tuple[str, ...]] = ()   # step-keyed tables its distill writes besides `examples`
+    # Its training reads the sampler's temperature-only logprobs (Generation.temp_logprobs): a backend that must
+    # pay for them (vLLM at top_p < 1, `score_temp_logprobs: auto`) computes them only when a method says so.
+    uses_temp_logprobs: ClassVar[bool] = False
 
     def __init__(self, cfg):
         self.cfg = cfg

@@ -20,6 +20,7 @@ from tasks.methods.base import Contribution, DistillContext, Method, num
 
 class GRPO(Method):
     name = "grpo"
+    uses_temp_logprobs = True  # the trainer's mismatch correction
 
     def distill(self, ctx: DistillContext, inputs) -> Contribution:
         c = self.cfg.distill.grpo

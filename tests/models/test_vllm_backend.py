@@ -235,3 +235,34 @@ def test_shutdown_leaves_no_process(vllm_backend, smollm2_path):
     pgid = vb._ENGINE.handle.proc.pid
     vb.shutdown_engine()
     assert _wait_gone(pgid, 10) == []
+
+
+def test_shutdown_during_a_generate_call_kills_the_engine_at_once(smollm2_path):
+    """Ctrl-C or SIGTERM stops rsiflow while a step's thread waits for a long generate call: the atexit
+    shutdown must not queue its stop behind that call (rsiflow hung until the call ended)."""
+    import threading
+    import time
+
+    from models import vllm_backend as vb
+    from models.vllm_backend import VLLMBackend
+
+    backend = VLLMBackend.open(smollm2_path, kv_cache_gib=2, enforce_eager=True, max_model_len=4096)
+    backend.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, temperature=0.0))
+    pgid = vb._ENGINE.handle.proc.pid
+    failed = []
+
+    def long_call():
+        try:
+            backend.generate(PROMPTS * 8, SamplingParams(max_new_tokens=2048, temperature=1.0, seed=0))
+        except RuntimeError as e:
+            failed.append(e)
+
+    worker = threading.Thread(target=long_call)
+    worker.start()
+    time.sleep(3)
+    start = time.monotonic()
+    vb.shutdown_engine()
+    assert time.monotonic() - start < 15
+    assert _wait_gone(pgid, 10) == []
+    worker.join(30)
+    assert not worker.is_alive() and failed and "died" in str(failed[0])

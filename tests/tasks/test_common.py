@@ -68,3 +68,18 @@ def test_training_encodes_a_row_with_the_tools_generation_saw(tiny_path):
         return sum(x != -100 for x in row["labels"])
 
     assert n_labels(with_tools) == n_labels(plain) > 0  # the same action tokens are trained
+
+
+@pytest.mark.parametrize("kind", ["vllm", "openai"])
+def test_temperature_only_logprobs_are_scored_only_for_a_method_that_reads_them(kind):
+    """`score_temp_logprobs: auto` costs a full prefill per row on vLLM: on only where GRPO's correction needs it."""
+    from tasks.common import backend_options
+
+    def options(*sets):
+        return backend_options(load_config([TINY], [f"backend.kind={kind}", *sets]))
+
+    assert options("distill.methods=[exit]")["score_temp_logprobs"] is False
+    assert options("distill.methods=[exit,grpo]")["score_temp_logprobs"] is True
+    key = f"backend.{kind}.score_temp_logprobs"
+    assert options("distill.methods=[exit]", f"{key}=true")["score_temp_logprobs"] is True
+    assert options("distill.methods=[grpo]", f"{key}=false")["score_temp_logprobs"] is False
