@@ -24,11 +24,17 @@ def test_two_rsipo_rounds_traced_from_skill_to_candidate(tmp_path, prefect_api):
                                "distill.rsipo.replays=3", "distill.rsipo.assess_tasks=6")
     for expected in (1, 2):
         assert improvement_round([TINY], overrides)["round"] == expected
-    con = duckdb.connect(str(tmp_path / "store.duckdb"), read_only=True)
+    check_two_rounds(tmp_path / "store.duckdb", tmp_path / "runs" / "tiny" / "report" / "report.md")
+
+
+def check_two_rounds(store_path, report_path):
+    """What the two rounds must have stored (a function, so a stored run can be checked again without rerunning)."""
+    con = duckdb.connect(str(store_path), read_only=True)
 
     def q(sql, *p):
         return con.execute(sql, list(p)).fetchall()
 
+    chains = 0
     for rnd in (1, 2):
         # skill -> replay trajectories -> gain -> weight -> training example -> candidate, in one query
         traced = q("""
@@ -43,31 +49,43 @@ def test_two_rsipo_rounds_traced_from_skill_to_candidate(tmp_path, prefect_api):
             JOIN train_inputs i ON i.example_id = e.example_id
             JOIN models m ON m.model_id = i.model_id
             WHERE t.round = ? GROUP BY ALL ORDER BY e.example_id""", rnd)
+        # every selected test (the task's trusted skill, w > 0) made examples that trained the round's candidate
         selected = q("SELECT test_id, weight FROM rsipo_tests WHERE round = ? AND selected", rnd)
-        assert selected, f"round {rnd}: some skill should have earned trust on this seed"
         assert {row[1] for row in traced} == {tid for tid, _ in selected}
         assert all(replays == 3 and w > 0 and model == f"tiny/r{rnd}/candidate" and mround == rnd
                    for _, _, replays, _, w, _, model, mround in traced)
+        (distilled,), = q("SELECT count(*) FROM examples WHERE round = ? AND method = 'rsipo'"
+                          " AND json_extract_string(meta, '$.kind') = 'distill'", rnd)
+        assert distilled == len(traced)
+        if traced:
+            (tm,), = q("SELECT train_metrics FROM models WHERE model_id = ?", f"tiny/r{rnd}/candidate")
+            assert json.loads(tm)["distill_examples"] == len(traced)
+        chains += len(traced)
+        # no trust, no distillation: a round whose skills all have w = 0 has no distillation example
+        assert all(w > 0 for _, w in selected)
+        (untrusted,), = q("SELECT count(*) FROM rsipo_tests WHERE round = ? AND weight = 0 AND selected", rnd)
+        assert untrusted == 0
         # every RSIPO example of the round, distillation or skill evolution, points at a test of a stored skill
         orphans = q("SELECT e.example_id FROM examples e LEFT JOIN rsipo_tests t"
                     " ON t.test_id = json_extract_string(e.meta, '$.test_id')"
                     " LEFT JOIN rsipo_skills s ON s.skill_id = t.skill_id"
                     " WHERE e.method = 'rsipo' AND e.round = ? AND (t.test_id IS NULL OR t.skill_id IS NULL)", rnd)
         assert orphans == []
-        # every replay trajectory belongs to exactly one test of the round, on that test's task
-        (unowned,), = q("SELECT count(*) FROM trajectories r WHERE r.purpose = 'replay' AND r.round = ? AND"
-                        " (SELECT count(*) FROM rsipo_tests t WHERE list_contains(t.replay_traj_ids, r.traj_id)"
-                        "  AND t.task_id = r.task_id) <> 1", rnd)
+        # every replay trajectory of the distill step belongs to exactly one test of the round, on that test's task
+        (unowned,), = q("SELECT count(*) FROM trajectories r WHERE r.purpose = 'replay' AND r.round = ?"
+                        " AND r.step = 'distill' AND (SELECT count(*) FROM rsipo_tests t"
+                        "  WHERE list_contains(t.replay_traj_ids, r.traj_id) AND t.task_id = r.task_id) <> 1", rnd)
         assert unowned == 0
-    # the evolution rows trained too (those with a non-zero centred gain), in GRPO's policy-gradient loss
-    (tm,), = q("SELECT train_metrics FROM models WHERE model_id = 'tiny/r1/candidate'")
-    tm = json.loads(tm)
-    (grpo_rows,), = q("SELECT count(*) FROM examples WHERE round = 1 AND method = 'grpo'"
-                      " AND json_extract(meta, '$.advantage')::DOUBLE <> 0")
-    (evo_rows,), = q("SELECT count(*) FROM examples WHERE round = 1 AND method = 'rsipo'"
-                     " AND json_extract_string(meta, '$.kind') = 'evolution'"
-                     " AND json_extract(meta, '$.advantage')::DOUBLE <> 0")
-    assert evo_rows > 0 and tm["pg_rows"] == grpo_rows + evo_rows and tm["distill_examples"] > 0
+        # skill evolution: the tested new skills' writing tokens trained in GRPO's policy-gradient loss
+        (tm,), = q("SELECT train_metrics FROM models WHERE model_id = ?", f"tiny/r{rnd}/candidate")
+        tm = json.loads(tm)
+        (grpo_rows,), = q("SELECT count(*) FROM examples WHERE round = ? AND method = 'grpo'"
+                          " AND json_extract(meta, '$.advantage')::DOUBLE <> 0", rnd)
+        (evo_rows,), = q("SELECT count(*) FROM examples WHERE round = ? AND method = 'rsipo'"
+                         " AND json_extract_string(meta, '$.kind') = 'evolution'"
+                         " AND json_extract(meta, '$.advantage')::DOUBLE <> 0", rnd)
+        assert evo_rows > 0 and tm["pg_rows"] == grpo_rows + evo_rows
+    assert chains > 0, "some skill should have earned trust in one of the two rounds on this seed"
     # round 2 re-tested library skills and the library records their tests over both rounds
     assert q("SELECT count(*) FROM rsipo_tests WHERE round = 2 AND origin = 'library' AND skill_round = 1")[0][0] > 0
     assert q("SELECT max(n_tests) FROM rsipo_library WHERE round = 2")[0][0] >= 2
@@ -88,6 +106,6 @@ def test_two_rsipo_rounds_traced_from_skill_to_candidate(tmp_path, prefect_api):
             assert m["assess_better"] in ("skill", "bare", "tie") and m["assess_skills"]
     assert any(json.loads(r)["rsipo"]["assess_tasks"] for (r,) in q("SELECT metrics FROM rounds"))
     con.close()
-    report = (tmp_path / "runs" / "tiny" / "report" / "report.md").read_text()
+    report = report_path.read_text()
     assert "RSIPO per round" in report and "Skill library after round 2" in report
     assert "Inference with a skill" in report
