@@ -100,6 +100,7 @@ class RSIPO(Method):
 
     name = "rsipo"
     tables = ("rsipo_skills", "rsipo_tests", "rsipo_library", "trajectories", "turns", "foresight")
+    uses_temp_logprobs = True  # the skill-evolution rows' mismatch correction (GRPO's trainer)
 
     def __init__(self, cfg):
         super().__init__(cfg)
