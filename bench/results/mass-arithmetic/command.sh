@@ -7,8 +7,9 @@
 # Per round the table gets every rounds.metrics.mass figure: win rate vs the base (self-judged and by the verifier,
 # with intervals), judge-verifier agreement, tokens, score per 1k tokens, trained answer tokens.
 # Two processes (one per arm, OMP_NUM_THREADS=1 each on the 2-core CPU), merged at the end. Resumes: run it again.
-# Expected wall time: ~8 min per cycle per process -> 3 seeds x 2 cycles ~ 50 min per arm, both arms in parallel
-# ~ 1 h on 2 quiet cores (more if the machine is shared).
+# Expected wall time (an estimate from the call counts, not measured: the one real-model check so far ran on a
+# machine at load 7-9 and decoded 0.9 tok/s): ~8 min per cycle per process on 2 quiet cores -> 3 seeds x 2 cycles
+# ~ 50 min per arm, both arms in parallel ~ 1-1.5 h; several times that on a shared machine.
 cd "${REPO:-$(dirname "$0")/../../..}"
 COMMON=(--config configs/mass.yaml --seeds 0,1,2 --rounds 2 --set distill.mass.max_train_tokens=200 --set distill.mass.train_top=2)
 OUT=${OUT:-bench/results/mass-arithmetic}
