@@ -38,6 +38,10 @@ class SamplingParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()   # generation of a row stops after any of these strings; text is cut before it
     seed: int | None = None      # seeds torch's sampler for this call when set
+    # Whether the caller needs `Generation.temp_logprobs` (GRPO-style training on these rows). A backend that
+    # must pay for them (vLLM at top_p < 1: a scoring pass) computes them under `score_temp_logprobs: auto`
+    # only when this is set; hf computes them always.
+    temp_logprobs: bool = True
 
 
 @dataclass
@@ -85,6 +89,12 @@ def open_backend(kind: str, model_path: str, *, dtype: str = "float32", trust_re
                  **options: Any) -> GenerationBackend:
     """A `kind` backend serving `model_path` (see each backend's `open` for what it reuses)."""
     return backend_class(kind).open(str(model_path), dtype=dtype, trust_remote_code=trust_remote_code, **options)
+
+
+def wants_scoring(option: bool | str, params: SamplingParams) -> bool:
+    """A server backend's `score_temp_logprobs` option for this call: True or False as set, or "auto" = when the
+    call asks for temperature-only logprobs (`params.temp_logprobs`)."""
+    return option is True or (option == "auto" and params.temp_logprobs)
 
 
 def finish_row(tokens: list[int], logprobs: list[float], temp_logprobs: list[float], stop: tuple[str, ...],

@@ -36,7 +36,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from models.backend import Generation, SamplingParams, finish_row
+from models.backend import Generation, SamplingParams, finish_row, wants_scoring
 
 # base_url -> the checkpoint that server serves now (as far as this process knows)
 _SERVING: dict[str, str] = {}
@@ -51,7 +51,7 @@ class OpenAIBackend:
     def __init__(self, model_path: str, *, dtype: str = "float32", trust_remote_code: bool = False,
                  base_url: str = "http://127.0.0.1:8000/v1", model: str | None = None, api_key_env: str | None = None,
                  timeout: float = 600.0, retries: int = 5, backoff_seconds: float = 1.0, max_concurrency: int = 16,
-                 score_temp_logprobs: bool = True, redeploy: str = "none",
+                 score_temp_logprobs: bool | str = "auto", redeploy: str = "none",
                  redeploy_command: list[str] | None = None):
         import os
 
@@ -154,7 +154,7 @@ class OpenAIBackend:
                                                    tokenize=False)
         prompts = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
         exact = params.temperature == 0 or params.top_p >= 1.0
-        score = not exact and params.temperature == 1.0 and self.score_temp_logprobs
+        score = not exact and params.temperature == 1.0 and wants_scoring(self.score_temp_logprobs, params)
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(prompts))) as pool:
             return list(pool.map(lambda i: self._one(prompts[i], params, i, exact, score), range(len(prompts))))
 

@@ -42,7 +42,7 @@ import time
 from multiprocessing.connection import Client
 from pathlib import Path
 
-from models.backend import Generation, SamplingParams, finish_row
+from models.backend import Generation, SamplingParams, finish_row, wants_scoring
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
@@ -208,7 +208,7 @@ class VLLMBackend:
                  python: str | None = None, max_model_len: int = 4096, kv_cache_gib: int = 4,
                  gpu_memory_utilization: float = 0.85, enforce_eager: bool = False, threads: int | None = None,
                  seed: int = 0,
-                 score_temp_logprobs: bool = True, redeploy: str = "reload", start_timeout: float = 900.0):
+                 score_temp_logprobs: bool | str = "auto", redeploy: str = "reload", start_timeout: float = 900.0):
         from transformers import AutoTokenizer, GenerationConfig
 
         global _ENGINE
@@ -281,7 +281,7 @@ class VLLMBackend:
         prompts = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
         greedy = params.temperature == 0
         exact = greedy or params.top_p >= 1.0
-        score = not exact and params.temperature == 1.0 and self.score_temp_logprobs
+        score = not exact and params.temperature == 1.0 and wants_scoring(self.score_temp_logprobs, params)
         rows = _ENGINE.handle.call("generate", prompts=prompts, max_tokens=params.max_new_tokens,
                                    temperature=params.temperature, top_p=params.top_p, stop=list(params.stop),
                                    seed=params.seed, score=score)

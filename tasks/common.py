@@ -35,24 +35,12 @@ def env_factory(cfg: Config):
     return partial(make_env, cfg.env.name, **cfg.env.kwargs)
 
 
-def backend_options(cfg: Config) -> dict:
-    """The chosen backend's options as its `open` takes them: `dtype` defaults to the model's, and
-    `score_temp_logprobs: auto` becomes whether a method of `distill.methods` reads temperature-only logprobs."""
-    options = cfg.backend.options()
-    options["dtype"] = options.get("dtype") or cfg.model.dtype  # a backend may sample in another dtype than training
-    if options.get("score_temp_logprobs") == "auto":
-        from tasks.methods import method_class
-
-        options["score_temp_logprobs"] = any(method_class(m).uses_temp_logprobs for m in cfg.distill.methods)
-    return options
-
-
 def backend_for(cfg: Config, model_path: str):
     """The configured generation backend (`backend.kind`, its own options section) serving `model_path`."""
     from models.backend import open_backend
 
-    options = backend_options(cfg)
-    dtype = options.pop("dtype")
+    options = cfg.backend.options()
+    dtype = options.pop("dtype", None) or cfg.model.dtype  # a backend may sample in another dtype than training
     return open_backend(cfg.backend.kind, model_path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code,
                         **options)
 
@@ -64,9 +52,9 @@ def serving_champion(cfg: Config) -> tuple[str, str]:
         return champion, store.model_path(champion)
 
 
-def sampling(cfg: Config, temperature: float, seed: int) -> SamplingParams:
+def sampling(cfg: Config, temperature: float, seed: int, temp_logprobs: bool = True) -> SamplingParams:
     return SamplingParams(max_new_tokens=cfg.backend.max_new_tokens, temperature=temperature,
-                          top_p=cfg.backend.top_p if temperature > 0 else 1.0, seed=seed)
+                          top_p=cfg.backend.top_p if temperature > 0 else 1.0, seed=seed, temp_logprobs=temp_logprobs)
 
 
 def round_seed(cfg: Config, round: int, salt: int = 0) -> int:
@@ -171,13 +159,14 @@ class TurnProgress:
         self.bar.close()
 
 
-def play(cfg: Config, backend, episodes: list[Episode], temperature: float, seed: int, desc: str) -> list[Episode]:
-    """Run episodes in lockstep with a progress bar."""
+def play(cfg: Config, backend, episodes: list[Episode], temperature: float, seed: int, desc: str,
+         temp_logprobs: bool = True) -> list[Episode]:
+    """Run episodes in lockstep with a progress bar (`temp_logprobs`: whether training will read them)."""
     from methods.rollout import run_episodes
 
     bar = TurnProgress(desc, cfg.env.max_turns)
     try:
-        return run_episodes(env_factory(cfg), episodes, backend, sampling(cfg, temperature, seed),
+        return run_episodes(env_factory(cfg), episodes, backend, sampling(cfg, temperature, seed, temp_logprobs),
                             cfg.env.max_turns, cfg.env.show_admissible, cfg.env.few_shot,
                             cfg.env.project_actions, on_turn=bar)
     finally:

@@ -8,6 +8,7 @@ from prefect.cache_policies import NONE
 from configs.schema import Config
 from methods.rollout import Episode
 from tasks.common import backend_for, env_factory, episode_rows, open_store, play, round_seed, serving_champion, utcnow
+from tasks.methods import needs_temp_logprobs
 
 
 @task(name="generate", cache_policy=NONE)
@@ -27,7 +28,8 @@ def generate_rollouts(cfg: Config, round: int) -> dict:
         for ti, t in enumerate(task_specs) for g in range(cfg.generate.group_size)
     ]
     backend = backend_for(cfg, path)
-    play(cfg, backend, episodes, cfg.backend.temperature, seed, f"round {round} generate")
+    play(cfg, backend, episodes, cfg.backend.temperature, seed, f"round {round} generate",
+         temp_logprobs=needs_temp_logprobs(cfg))
     trajs, turns = episode_rows(episodes, champion, "train")
     with open_store(cfg) as store, store.step(run_id, round, "generate", started) as tx:
         tx.insert("tasks", [t.to_row() for t in task_specs])

@@ -16,7 +16,8 @@ from importlib import import_module
 
 from tasks.methods.base import AssessContext, Contribution, DistillContext, Method
 
-__all__ = ["METHODS", "AssessContext", "Contribution", "DistillContext", "Method", "enabled_methods", "method_class"]
+__all__ = ["METHODS", "AssessContext", "Contribution", "DistillContext", "Method", "enabled_methods", "method_class",
+           "needs_temp_logprobs"]
 
 # name -> "module:Class", imported on first use.
 METHODS: dict[str, str] = {
@@ -40,6 +41,12 @@ def method_class(name: str) -> type[Method]:
     if not (isinstance(cls, type) and issubclass(cls, Method)):
         raise ValueError(f"method {name!r}: {target} is not a subclass of tasks.methods.Method")
     return cls
+
+
+def needs_temp_logprobs(cfg) -> bool:
+    """Whether a method of `distill.methods` trains on the rollouts' temperature-only logprobs (GRPO's mismatch
+    correction): the generate step asks the backend for them only then."""
+    return any(method_class(name).uses_temp_logprobs for name in cfg.distill.methods)
 
 
 def enabled_methods(cfg) -> list[Method]:

@@ -63,8 +63,11 @@ def start_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     """`rsiflow run` on the tiny config in its own process group (as a shell starts a job), once its round's
     generate step is under way; returns the process and its log."""
     log = tmp_path / "run.log"
+    # A generate step of ~1 min (the tiny round otherwise ends in seconds: on a loaded machine the signal landed
+    # after it had finished, and the run exited 0).
+    longer = ("generate.tasks_per_round=16", "generate.group_size=8", "backend.max_new_tokens=64")
     cmd = [sys.executable, "-m", "flows.cli", "run", "--config", TINY,
-           *[a for o in tiny_overrides(tmp_path) for a in ("--set", o)]]
+           *[a for o in tiny_overrides(tmp_path, *longer) for a in ("--set", o)]]
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(tmp_path), stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     deadline = time.monotonic() + 300

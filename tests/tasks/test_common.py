@@ -70,16 +70,16 @@ def test_training_encodes_a_row_with_the_tools_generation_saw(tiny_path):
     assert n_labels(with_tools) == n_labels(plain) > 0  # the same action tokens are trained
 
 
-@pytest.mark.parametrize("kind", ["vllm", "openai"])
-def test_temperature_only_logprobs_are_scored_only_for_a_method_that_reads_them(kind):
-    """`score_temp_logprobs: auto` costs a full prefill per row on vLLM: on only where GRPO's correction needs it."""
-    from tasks.common import backend_options
+def test_temperature_only_logprobs_are_asked_for_only_when_a_method_reads_them():
+    """`score_temp_logprobs: auto` costs a full prefill per row on vLLM: the generate step asks for them only
+    where GRPO's (or RSIPO's) correction needs them; an explicit option wins."""
+    from models.backend import SamplingParams, wants_scoring
+    from tasks.methods import needs_temp_logprobs
 
-    def options(*sets):
-        return backend_options(load_config([TINY], [f"backend.kind={kind}", *sets]))
+    def needs(methods):
+        return needs_temp_logprobs(load_config([TINY], [f"distill.methods={methods}"]))
 
-    assert options("distill.methods=[exit]")["score_temp_logprobs"] is False
-    assert options("distill.methods=[exit,grpo]")["score_temp_logprobs"] is True
-    key = f"backend.{kind}.score_temp_logprobs"
-    assert options("distill.methods=[exit]", f"{key}=true")["score_temp_logprobs"] is True
-    assert options("distill.methods=[grpo]", f"{key}=false")["score_temp_logprobs"] is False
+    assert not needs("[exit]") and not needs("[exit,srd]") and needs("[exit,grpo]") and needs("[grpo,rsipo]")
+    asked, not_asked = SamplingParams(temp_logprobs=True), SamplingParams(temp_logprobs=False)
+    assert wants_scoring("auto", asked) and not wants_scoring("auto", not_asked)
+    assert wants_scoring(True, not_asked) and not wants_scoring(False, asked)
