@@ -60,14 +60,16 @@ BOOKKEEPING = {"leases", "schema_migrations"}
 DEFAULT_SETS = ["distill.methods=[exit,srd]", "distill.srd.note_writer=template", "backend.hf.kv_reuse=false"]
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether the process exists and is not a zombie (a zombie has exited; only its parent may reap it)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
 
 
-def _descendants(pid: int) -> set[int]:
+def descendants(pid: int) -> set[int]:
+    """The process's children, their children, ... (from /proc)."""
     found, todo = set(), [pid]
     while todo:
         p = todo.pop()
@@ -81,7 +83,8 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
-def _group(pgid: int) -> set[int]:
+def group_members(pgid: int) -> set[int]:
+    """Live processes in process group `pgid`."""
     members = set()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -266,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         seen: set[int] = set()
         phase_began = t if phase == "startup" else None
         while proc.poll() is None:
-            seen |= _descendants(proc.pid)
+            seen |= descendants(proc.pid)
             begun, in_log = chaos.progress(run_id)
             if phase_began is None:
                 if begun and all(s in done or s in in_log for s in STEPS[:STEPS.index(phase)]):
@@ -281,14 +284,14 @@ def main(argv: list[str] | None = None) -> int:
             if proc.returncode != 0:
                 sys.exit(f"bench.chaos: a start failed: {chaos.log}")
             break
-        seen |= _descendants(proc.pid)
+        seen |= descendants(proc.pid)
         begun, in_log = chaos.progress(run_id)
         where = "startup" if not begun else next((s for s in STEPS if s not in done and s not in in_log),
                                                    "after deploy")
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         deadline = time.monotonic() + 20
-        while (left := {p for p in seen | _group(proc.pid) if _alive(p)}) and time.monotonic() < deadline:
+        while (left := {p for p in seen | group_members(proc.pid) if alive(p)}) and time.monotonic() < deadline:
             time.sleep(0.2)
         for pid in left:
             os.kill(pid, signal.SIGKILL)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.chaos import alive, descendants, group_members
 from tests.conftest import REPO, TINY, tiny_overrides
 
 pytestmark = pytest.mark.slow
@@ -21,42 +22,6 @@ def _env(tmp_path: Path) -> dict:
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONPATH": str(REPO)}
     env.pop("PREFECT_API_URL", None)
     return env
-
-
-def _alive(pid: int) -> bool:
-    """Whether the process exists and is not a zombie (a zombie has exited; only its parent may reap it)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
-def _descendants(pid: int) -> set[int]:
-    """The process's children, their children, ... (from /proc)."""
-    found, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                kids = {int(c) for c in (task / "children").read_text().split()}
-            except FileNotFoundError:
-                continue
-            todo.extend(kids - found)
-            found |= kids
-    return found
-
-
-def _group_members(pgid: int) -> set[int]:
-    """Live processes in process group `pgid`."""
-    members = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.add(int(stat.parent.name))
-    return members
 
 
 def start_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
@@ -81,7 +46,7 @@ def start_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
 
 def wait_gone(pids: set[int], timeout: float) -> set[int]:
     deadline = time.monotonic() + timeout
-    while (left := {p for p in pids if _alive(p)}) and time.monotonic() < deadline:
+    while (left := {p for p in pids if alive(p)}) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
 
@@ -97,7 +62,7 @@ def kill_left(pids: set[int]) -> None:
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
 def test_killing_the_main_process_leaves_no_prefect_server(tmp_path, how):
     proc, log = start_run(tmp_path)
-    children = _descendants(proc.pid)
+    children = descendants(proc.pid)
     assert children, "rsiflow run started no child process (its temporary Prefect server)"
     t0 = time.monotonic()
     os.kill(proc.pid, getattr(signal, how))   # the main process only, as `kill -9 PID` / `kill PID`
@@ -116,12 +81,12 @@ def test_killing_the_main_process_leaves_no_prefect_server(tmp_path, how):
 
 def test_ctrl_c_exits_within_seconds_in_one_line(tmp_path):
     proc, log = start_run(tmp_path)
-    children = _descendants(proc.pid)
+    children = descendants(proc.pid)
     t0 = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)   # a terminal's Ctrl-C: the whole foreground process group
     proc.wait(timeout=120)
     exit_s = time.monotonic() - t0
-    left = wait_gone(children | _group_members(proc.pid), 20)
+    left = wait_gone(children | group_members(proc.pid), 20)
     kill_left(left)
     out = log.read_text()
     assert not left, f"left running after Ctrl-C: {left}"
@@ -146,7 +111,7 @@ def test_ctrl_c_and_sigterm_of_serve(tmp_path):
             assert proc.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
-        children = _descendants(proc.pid)
+        children = descendants(proc.pid)
         t0 = time.monotonic()
         os.killpg(proc.pid, sig)
         proc.wait(timeout=120)
