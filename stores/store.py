@@ -450,7 +450,7 @@ class Store:
     def acquire_lease(self, run_id: str, holder: str, ttl_s: float, host: str, pid: int,
                       flow_run_id: str | None = None, flow_run_name: str | None = None) -> tuple[dict, dict | None]:
         """Try to take the run's lease for `holder` (the process `pid` on `host`) for `ttl_s` seconds, in one
-        transaction. Returns (the lease row as it now stands, the row that was replaced or None).
+        transaction. Returns (the lease row as this transaction left it, the row that was replaced or None).
 
         The lease is taken when nobody holds it, when `holder` holds it already (renewed, acquired_at kept),
         when it expired (its holder stopped heartbeating: crashed, or cut off), or at once when its holder is
@@ -474,6 +474,9 @@ class Store:
                         [run_id, holder, host, pid, flow_run_id, flow_run_name,
                          row["acquired_at"] if ours else now, now, now + timedelta(seconds=ttl_s)],
                     )
+                # the row as this transaction leaves it: a re-read after the commit could see the holder's
+                # release in between (None), or a later taker
+                now_row = self.lease(run_id) if free else row
                 con.commit()
             except (duckdb.TransactionException, duckdb.ConstraintException):
                 # another connection of this process wrote the row first; read it once it has committed
@@ -483,7 +486,7 @@ class Store:
             except BaseException:
                 _rollback_quietly(con)
                 raise
-            return self.lease(run_id), (row if free and row is not None and not ours else None)
+            return now_row, (row if free and row is not None and not ours else None)
         raise RuntimeError(f"could not read or take the lease of run {run_id!r}: 50 write conflicts in a row")
 
     def heartbeat_lease(self, run_id: str, holder: str, ttl_s: float, flow_run_id: str | None = None,

@@ -30,6 +30,31 @@ def test_acquire_then_conflict_names_the_holder(store):
     assert store.acquire_lease("other", "B", 60, "host-b", 222)[0]["holder"] == "B"
 
 
+def test_refused_taker_gets_the_row_it_saw_even_if_the_holder_releases_right_after(store):
+    """The holder may release between the refused taker's commit and any re-read: the answer is the row the
+    taker's transaction saw (a re-read returned None here, and RunLease crashed on it)."""
+    held, _ = store.acquire_lease("r", "A", 60, "host-b", 111)
+
+    class ReleaseAfterCommit:
+        def __init__(self, con):
+            self.con = con
+
+        def __getattr__(self, name):
+            return getattr(self.con, name)
+
+        def commit(self):
+            self.con.commit()
+            self.con.execute("DELETE FROM leases WHERE run_id = 'r'")   # A releases, right then
+
+    store._con = ReleaseAfterCommit(store._con)
+    try:
+        lease, replaced = store.acquire_lease("r", "B", 60, HOST, 222)
+    finally:
+        store._con = store._con.con
+    assert lease == held and replaced is None
+    assert store.lease("r") is None
+
+
 def test_acquire_again_by_the_holder_renews_and_keeps_acquired_at(store):
     first, _ = store.acquire_lease("r", "A", 60, HOST, 111)
     time.sleep(0.01)
