@@ -101,15 +101,24 @@ class VLLMBackendConfig(_Section):
 
 
 class OpenAIBackendConfig(_Section):
-    base_url: str = Field("http://127.0.0.1:8000/v1", description="Base URL of the OpenAI-compatible server "
-        "(its /completions endpoint is used).")
+    base_url: str | None = Field(None, description="Base URL of the one OpenAI-compatible server (its /completions "
+        "endpoint is used); null = http://127.0.0.1:8000/v1 unless base_urls is set. Set base_url or base_urls, "
+        "not both.")
+    base_urls: list[str] = Field(default_factory=list, description="Base URLs of several servers serving the same "
+        "model: each generate call spreads its rows over them (the fewest in flight first, at most max_concurrency "
+        "each), redeploy updates all, and one that stops answering is taken out of rotation and its rows run on the "
+        "others.")
     model: str | None = Field(None, description="Model name the server serves; null = the first of GET /models.")
     api_key_env: str | None = Field(None, description="Environment variable holding the API key sent as a Bearer "
         "token (never put the key itself in a config).")
     timeout: float = Field(600.0, gt=0, description="Seconds one request may take.")
     retries: int = Field(5, ge=0, le=50, description="Retries on connection errors and HTTP 502/503/504.")
     backoff_seconds: float = Field(1.0, ge=0, description="First retry delay; doubles each retry.")
-    max_concurrency: int = Field(16, ge=1, le=1024, description="Requests in flight at once per generate call.")
+    max_concurrency: int = Field(16, ge=1, le=1024, description="Requests in flight at once per server in a "
+        "generate call.")
+    reprobe_seconds: float = Field(60.0, ge=0, description="A server taken out of rotation gets one quick GET "
+        "/models at the start of a call once this long after it failed (at once when no server is left); one that "
+        "answers is redeployed to the current checkpoint and back in rotation.")
     score_temp_logprobs: Literal["auto"] | bool = Field(
         "auto", description="As backend.vllm.score_temp_logprobs; needs vLLM's prompt_logprobs extension.")
     redeploy: Literal["none", "vllm_reload", "command"] = Field(
@@ -117,8 +126,24 @@ class OpenAIBackendConfig(_Section):
         "candidate): 'vllm_reload' = vLLM's dev endpoints collective_rpc reload_weights + reset_prefix_cache (server "
         "started with VLLM_SERVER_DEV_MODE=1, checkpoint path readable by it); 'command' = run redeploy_command; "
         "'none' = the server serves one model and any other is an error.")
-    redeploy_command: list[str] = Field(default_factory=list, description="argv run for redeploy: command, "
-        "'{path}' replaced by the checkpoint folder (no shell); must return once the server serves it.")
+    redeploy_command: list[str] = Field(default_factory=list, description="argv run for redeploy: command, once "
+        "per server, '{path}' replaced by the checkpoint folder and '{url}' by the server's base URL (no shell; "
+        "required with several servers); must return once that server serves it.")
+
+    @field_validator("base_url", "base_urls")
+    @classmethod
+    def _http_urls_not_both(cls, v: str | list[str] | None, info) -> str | list[str] | None:
+        """http(s) URLs, none twice, and base_url or base_urls, not both (models.openai_backend.server_urls)."""
+        from models.openai_backend import server_urls
+
+        if not v:
+            return v
+        try:
+            if info.field_name == "base_url":
+                return server_urls(v, None)[0]
+            return server_urls(info.data.get("base_url"), v)
+        except ValueError as e:   # the loader names the key already
+            raise ValueError(str(e).removeprefix(f"backend.openai.{info.field_name}: ")) from None
 
 
 class BackendConfig(_Section):
