@@ -447,6 +447,37 @@ class TrainConfig(_Section):
         "kept whatever the gate decided; a rejected candidate older than that is deleted after its gate (recorded "
         "in the store's deleted_checkpoints). The champion lineage (base and every promoted candidate) is always "
         "kept. 0 = delete every rejected checkpoint after its gate.")
+    processes: int = Field(1, ge=1, le=4096, description="Training processes in all (accelerate's --num_processes, "
+        "over all machines). 1 = train inside the train step's process (the default). More than 1 (or an "
+        "accelerate_config) = the step runs `accelerate launch` with this many processes (DDP unless the "
+        "accelerate_config says FSDP or DeepSpeed; on a machine without GPUs: CPU processes with gloo); "
+        "batch_size is then per process, so the global batch is batch_size x grad_accum x processes.")
+    accelerate_config: str | None = Field(None, description="An accelerate config file (YAML, as `accelerate config` "
+        "writes; examples in configs/accelerate/) passed to `accelerate launch --config_file`: FSDP, DeepSpeed, "
+        "several machines. Its num_processes, if set, must equal train.processes. null = rsiflow's own single-machine "
+        "settings (DDP over GPUs, or CPU processes with gloo).")
+    main_process_port: int | None = Field(None, ge=1, le=65535, description="Port of the rank-0 process's rendezvous "
+        "(accelerate's --main_process_port). null = a free port on this machine (single machine), or the "
+        "accelerate_config's main_process_port.")
+
+    @model_validator(mode="after")
+    def _accelerate_config_matches(self) -> TrainConfig:
+        if self.accelerate_config is None:
+            return self
+        path = Path(self.accelerate_config).expanduser()
+        if not path.is_file():
+            raise ValueError(f"train.accelerate_config: file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise ValueError(f"train.accelerate_config: {path} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"train.accelerate_config: {path} must be a mapping of accelerate settings")
+        n = data.get("num_processes")
+        if n is not None and n != self.processes:
+            raise ValueError(f"train.processes ({self.processes}) differs from num_processes ({n}) in "
+                             f"train.accelerate_config {path}: set them equal")
+        return self
 
 
 class GateConfig(_Section):

@@ -46,12 +46,14 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import random
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
@@ -152,6 +154,20 @@ class RowLoss:
         """Micro-batches per optimizer step (the Trainer sets the current count inside its loop)."""
         return int(getattr(self, "current_gradient_accumulation_steps", None) or self.args.gradient_accumulation_steps)
 
+    def _step_key(self) -> dict:
+        """{"step": optimizer steps done} under several processes (how `_merge_rank_logs` pairs the processes'
+        entries); nothing in one process."""
+        return {"step": self.state.global_step} if self.accelerator.num_processes > 1 else {}
+
+    def _token_sum_scale(self) -> int:
+        """Under several processes the Trainer gathers `num_items_in_batch` over all of them
+        (`average_tokens_across_devices`) and DDP averages the gradients: a loss normalised by the global token count
+        is multiplied by the process count (as transformers' own compute_loss does), so the step's gradient and the
+        logged loss are those of one process holding the whole global batch. 1 in one process."""
+        if self.args.average_tokens_across_devices and self.accelerator.num_processes > 1:
+            return self.accelerator.num_processes
+        return 1
+
     def _rows_loss(self, model, inputs: dict, num_items_in_batch=None):
         """(loss scaled for gradient accumulation, model outputs) of a RowCollator batch."""
         extra = {k: inputs.pop(k) for k in _BATCH_EXTRAS if k in inputs}
@@ -167,12 +183,12 @@ class RowLoss:
         if bool((labels[:, 1:] != -100).any()):
             # With num_items_in_batch the sum is already normalised over the whole accumulated step.
             sft_loss = weighted_token_ce(logits, labels, weights, num_items_in_batch)
-            loss = loss + (sft_loss if num_items_in_batch is not None else sft_loss / micro)
+            loss = loss + (sft_loss * self._token_sum_scale() if num_items_in_batch is not None else sft_loss / micro)
         rows = (kind == DISTILL).nonzero().flatten()
         if len(rows):
             distill_loss, stats = self._distill_term(model, logits, inputs["input_ids"], weights, rows, extra)
             loss = loss + self.distill.loss_weight * distill_loss / micro
-            self.distill_log.append({"distill_loss": float(distill_loss.detach()),
+            self.distill_log.append({**self._step_key(), "distill_loss": float(distill_loss.detach()),
                                      "sft_loss": float(sft_loss.detach()) if sft_loss is not None else math.nan,
                                      **stats})
         return loss, outputs
@@ -357,14 +373,21 @@ class StoredRolloutGRPOTrainer(RowLoss, GRPOTrainer):
 
     def get_train_dataloader(self) -> DataLoader:
         """Micro-batches of `per_device_train_batch_size` pg rows (reshuffled every pass), each carrying an equal
-        share of the aux rows; `num_items_in_batch` = the action tokens of the micro-batch's optimizer step."""
+        share of the aux rows; `num_items_in_batch` = the action tokens of the micro-batch's optimizer step.
+
+        Under W processes (accelerate launch) every process builds the same shuffled list of micro-batches (same
+        seed) and an optimizer step takes the next ga x W of them; process r trains on those at positions r, r+W, ...
+        of the step (as accelerate's BatchSamplerShard deals SFT batches), and `num_items_in_batch` counts the
+        action tokens of all W processes' micro-batches of the step. The list is wrapped around to a multiple of W
+        (as accelerate's even_batches does), so every process runs as many backward passes."""
         bs, ga = self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
         rng = random.Random(self.args.seed)
         pad = self.processing_class.pad_token_id
 
         class Passes(torch.utils.data.IterableDataset):
             def __len__(inner):
-                return math.ceil(len(self.pg_rows) / bs)
+                return math.ceil(math.ceil(len(self.pg_rows) / bs) / world)
 
             def __iter__(inner):
                 order = list(range(len(self.pg_rows)))
@@ -373,10 +396,14 @@ class StoredRolloutGRPOTrainer(RowLoss, GRPOTrainer):
                 aux = list(range(len(self.aux_rows)))
                 rng.shuffle(aux)
                 shares = [aux[i::len(micro)] for i in range(len(micro))]
-                for s in range(0, len(micro), ga):
-                    step = micro[s:s + ga]
+                n = len(micro)
+                micro += [micro[i % n] for i in range(-n % world)]
+                shares += [[] for _ in range(-n % world)]  # a wrapped micro-batch brings no aux rows twice
+                for s in range(0, len(micro), ga * world):
+                    step = micro[s:s + ga * world]
                     tokens = sum(sum(self.pg_rows[i]["action_mask"]) for m in step for i in m)
-                    for k, m in enumerate(step):
+                    for k in range(rank, len(step), world):
+                        m = step[k]
                         batch = {"pg": collate_pg([self.pg_rows[i] for i in m], pad)}
                         # TRL's dapo normaliser is num_items * ga / steps_per_generation: make it this step's tokens
                         batch["pg"]["num_items_in_batch"] = torch.tensor(
@@ -397,8 +424,8 @@ class StoredRolloutGRPOTrainer(RowLoss, GRPOTrainer):
         loss = self._compute_loss(model, pg)  # TRL's GRPO loss, scaled for gradient accumulation by TRL
         mode = "train" if self.model.training else "eval"
         clip = self._metrics[mode].get("clip_ratio/region_mean") or [math.nan]
-        self.pg_log.append({"pg_loss": float(loss.detach()) * self._micro_batches(), "clip_ratio": clip[-1],
-                            "tokens": float(pg["tool_mask"].sum())})
+        self.pg_log.append({**self._step_key(), "pg_loss": float(loss.detach()) * self._micro_batches(),
+                            "clip_ratio": clip[-1], "tokens": float(pg["tool_mask"].sum())})
         if "aux" in inputs:
             aux_loss, _ = self._rows_loss(model, inputs["aux"])
             loss = loss + aux_loss
@@ -473,6 +500,62 @@ class BestValidationCallback(TrainerCallback):
             model.load_state_dict(self.best)
 
 
+def _is_main_process() -> bool:
+    """True in a plain process and in rank 0 of an `accelerate launch` (RANK is set by its torchrun)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _full_weights(trainer, model):
+    """The trained model with all its weights on this process. Under DDP or DeepSpeed ZeRO-1/2 every process holds
+    them already; under FSDP or ZeRO-3 (parameters sharded) the full state dict is gathered (a collective call on
+    every process) and loaded into a fresh model of the same config. Not run here: only DDP was tested."""
+    from accelerate.utils import DistributedType
+
+    acc = trainer.accelerator
+    sharded = acc.distributed_type == DistributedType.FSDP or (
+        acc.distributed_type == DistributedType.DEEPSPEED and acc.state.deepspeed_plugin.zero_stage == 3)
+    if not sharded:
+        return model
+    state = acc.get_state_dict(trainer.model_wrapped)
+    if not acc.is_main_process:
+        return model
+    from transformers import AutoModelForCausalLM
+
+    fresh = AutoModelForCausalLM.from_config(acc.unwrap_model(trainer.model_wrapped).config)
+    fresh.load_state_dict(state)
+    return fresh
+
+
+def _merge_rank_logs(trainer) -> None:
+    """Under several processes each keeps its own per-micro-batch pg/distillation log: gather them (every process)
+    and keep on each one entry per optimizer step: means of the losses, ratios and weights over all processes'
+    micro-batches of the step, sums of the counts (rows, tokens). One process: the logs stay as they are."""
+    import torch.distributed as dist
+
+    if trainer.accelerator.num_processes == 1 or not dist.is_initialized():
+        return
+    counts = {"tokens", "distill_rows", "distill_tokens"}
+    for name in ("pg_log", "distill_log"):
+        local = getattr(trainer, name, None)
+        if local is None:
+            continue
+        gathered: list = [None] * trainer.accelerator.num_processes
+        dist.all_gather_object(gathered, local)
+        steps: dict[int, list[dict]] = {}
+        for entries in gathered:
+            for e in entries:
+                steps.setdefault(int(e.get("step", 0)), []).append(e)
+        merged = []
+        for step in sorted(steps):
+            entries = steps[step]
+            keys = [k for k in entries[0] if k != "step"]
+            merged.append({k: (sum(e[k] for e in entries) if k in counts
+                               else float(np.nanmean([e[k] for e in entries])) if any(
+                                   not math.isnan(e[k]) for e in entries) else math.nan)
+                           for k in keys})
+        setattr(trainer, name, merged)
+
+
 class _ProgressCallback(TrainerCallback):
     def __init__(self, on_step):
         self.on_step = on_step
@@ -543,7 +626,8 @@ def train_candidate(
                        pg_tokens=int(sum(sum(r["action_mask"]) for r in pg)),
                        pg_sampled_match=pg_counts["sampled_match"], pg_sampled_turns=pg_counts["sampled_turns"])
     if not encoded and not pg:
-        save_checkpoint(model, tokenizer, out_dir)
+        if _is_main_process():
+            save_checkpoint(model, tokenizer, out_dir)
         return metrics, []
     use_cpu = not torch.cuda.is_available()
     bf16 = (dtype == "bfloat16") and not use_cpu
@@ -602,12 +686,17 @@ def train_candidate(
         metrics.update(validation_examples=len(validation), validation_losses=best.losses,
                        validation_loss_best=min(best.losses) if best.losses else None,
                        validation_best_epoch=best.best_epoch)
+    trained = _full_weights(trainer, trained)
     if cfg.lora.enabled:
         trained = trained.merge_and_unload()
     trained.eval()
-    save_checkpoint(trained, tokenizer, out_dir)
+    if trainer.accelerator.is_main_process:  # under accelerate launch only rank 0 writes the candidate
+        save_checkpoint(trained, tokenizer, out_dir)
+    trainer.accelerator.wait_for_everyone()
+    _merge_rank_logs(trainer)
     metrics.update(steps=int(result.global_step), train_loss=float(result.training_loss),
-                   first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None)
+                   first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None,
+                   loss_curve=[round(x, 6) for x in losses])  # per optimizer step (logging_steps=1)
     if dis:
         dl = [h["distill_loss"] for h in trainer.distill_log]
         metrics.update(distill_loss_first=dl[0] if dl else None, distill_loss_last=dl[-1] if dl else None,

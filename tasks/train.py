@@ -48,6 +48,7 @@ def train_candidate(cfg: Config, round: int) -> dict:
     started = utcnow()
     from tqdm.auto import tqdm
 
+    from models.launch import LaunchError, train_launched, uses_launcher
     from models.trainer import train_candidate as train
 
     run_id = cfg.run.name
@@ -72,13 +73,20 @@ def train_candidate(cfg: Config, round: int) -> dict:
         bar.update(step - bar.n)
         ui.update(step, total, f"round {round} train: step {step} of {total} ({len(rows)} rows)", last=step == total)
 
+    job = dict(model_path=parent_path, rows=rows, out_dir=out_dir, seed=round_seed(cfg, round, 1),
+               dtype=cfg.model.dtype, distill=_one_loss(methods, "distill_loss"),
+               policy=_one_loss(methods, "policy_loss"), trust_remote_code=cfg.model.trust_remote_code,
+               log_dir=run_dir(cfg) / "tensorboard" / f"round-{round}", run_name=f"{run_id}-round-{round}")
     try:
-        metrics, used_ids = train(parent_path, rows, out_dir, cfg.train, seed=round_seed(cfg, round, 1),
-                                  dtype=cfg.model.dtype, on_step=on_step, distill=_one_loss(methods, "distill_loss"),
-                                  policy=_one_loss(methods, "policy_loss"),
-                                  trust_remote_code=cfg.model.trust_remote_code,
-                                  log_dir=run_dir(cfg) / "tensorboard" / f"round-{round}",
-                                  run_name=f"{run_id}-round-{round}")
+        if uses_launcher(cfg.train):  # accelerate launch with train.processes processes (models/launch.py)
+            try:
+                metrics, used_ids = train_launched(run_dir(cfg) / "launch" / f"round-{round}", cfg.train,
+                                                   on_step=on_step, **job)
+            except LaunchError:
+                shutil.rmtree(out_dir, ignore_errors=True)  # a crashed job's partial checkpoint is not a candidate
+                raise
+        else:
+            metrics, used_ids = train(cfg=cfg.train, on_step=on_step, **job)
     finally:
         bar.close()
     if not used_ids:  # e.g. every GRPO group was uniform: the candidate would be a copy of the champion
