@@ -25,7 +25,14 @@ class RunConfig(_Section):
     name: str = Field("default", description="Run name; rounds of a run with this name continue where it stopped. "
         "1-64 letters, digits, '-', '_' and '.', starting with a letter or digit (it names a folder and Prefect "
         "deployments).")
-    store: str = Field("runs/rsiflow.duckdb", description="DuckDB file holding every artifact of every run.")
+    store: str = Field("runs/rsiflow.duckdb", description="DuckDB file holding every artifact of every run; or a "
+        "DuckLake that many processes and machines write at once: 'ducklake:postgres:<libpq connection string>', "
+        "e.g. 'ducklake:postgres:dbname=rsiflow host=/tmp/pg port=5433' (PostgreSQL catalog, Parquet files under "
+        "run.lake_data_path). A lake needs DuckDB's ducklake and postgres extensions: run bin/setup-lake and use "
+        ".venv-lake/bin/rsiflow.")
+    lake_data_path: str | None = Field(None, description="With a DuckLake run.store: the folder (shared by every "
+        "machine that writes the lake, mounted at the same path) that holds its Parquet data files. null with a "
+        "DuckDB file store.")
     run_dir: str = Field("runs/{name}", description="Folder for checkpoints and reports; `{name}` is the run name.")
     model_cache: str = Field("~/.cache/rsiflow", description="Folder for converted base checkpoints (the embedded "
         "SmolLM2, tiny test models), shared by runs.")
@@ -40,6 +47,23 @@ class RunConfig(_Section):
             raise ValueError(f"{v!r} is not a safe run name: use 1-64 letters, digits, '-', '_' and '.', starting "
                              "with a letter or digit, no '..' (it names a folder)")
         return v
+
+    @model_validator(mode="after")
+    def _lake(self) -> RunConfig:
+        """A DuckLake store names a PostgreSQL catalog (the one catalog whose extension installs offline here and
+        that takes many writers) and its data folder; a file store takes no data folder."""
+        if self.store.startswith("ducklake:"):
+            if not self.store.startswith("ducklake:postgres:") or not self.store[len("ducklake:postgres:"):].strip():
+                raise ValueError(f"store {self.store!r}: a DuckLake store is 'ducklake:postgres:<connection string>', "
+                                 "e.g. 'ducklake:postgres:dbname=rsiflow host=/tmp/pg port=5433' (other catalogs "
+                                 "are single-writer or need extensions not installed here)")
+            if not self.lake_data_path:
+                raise ValueError("lake_data_path: a DuckLake run.store needs the folder for its Parquet files "
+                                 "(shared by every machine that writes the lake)")
+        elif self.lake_data_path is not None:
+            raise ValueError(f"lake_data_path: set only with a DuckLake run.store ('ducklake:postgres:...'); "
+                             f"run.store is the DuckDB file {self.store!r}")
+        return self
 
 
 class ModelConfig(_Section):

@@ -114,9 +114,10 @@ def _open_run(cfg, read_only: bool = True):
     a read-only and a read-write connection to one file in one process) for a command that reads a run; it never
     creates one. ConfigError if the run is not in it."""
     from configs.schema import ConfigError
+    from stores.lake import is_lake
     from stores.store import Store, StoreError
 
-    if not read_only and not Path(cfg.run.store).expanduser().is_file():
+    if not read_only and not is_lake(cfg.run.store) and not Path(cfg.run.store).expanduser().is_file():
         raise StoreError(f"store {cfg.run.store} does not exist")
     try:
         store = Store(cfg.run.store, read_only=read_only)

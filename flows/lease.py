@@ -26,9 +26,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import UTC, datetime
-from pathlib import Path
 
 from configs.schema import Config
+from stores.lake import store_location
 from stores.store import Store, StoreLockedError
 
 LEASE_TTL_S = 120.0   # a lease not renewed for this long is taken over
@@ -68,7 +68,7 @@ class RunLease:
 
     def __init__(self, cfg: Config):
         self.run_id = cfg.run.name
-        self.store_path = Path(cfg.run.store).expanduser().resolve()
+        self.store_path = store_location(cfg.run.store)   # a file's absolute path, or a DuckLake's spec
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.holder = f"{self.host}:{self.pid}:{uuid.uuid4().hex[:8]}"
         self.flow_run: tuple[str | None, str | None] = (None, None)
@@ -158,7 +158,7 @@ _HELD: ContextVar[tuple[RunLease, ...]] = ContextVar("rsiflow_run_leases", defau
 @contextmanager
 def run_lease(cfg: Config, wait_s: float = 0.0) -> Iterator[RunLease]:
     """Hold the run's lease for the block (re-entrant: a lease this context holds already is reused)."""
-    store_path = Path(cfg.run.store).expanduser().resolve()
+    store_path = store_location(cfg.run.store)
     for lease in _HELD.get():
         if (lease.store_path, lease.run_id) == (store_path, cfg.run.name):
             yield lease

@@ -16,9 +16,12 @@ Conventions:
   queries join on, and left off `turns`, the one table that grows to millions of rows.
 """
 
+import time
 from datetime import UTC, datetime
 
 import duckdb
+
+from stores.lake import CONFLICT_RETRIES, LAKE_LOCKS_SQL, lake_migration_sql
 
 INITIAL_SCHEMA = """
 CREATE TABLE runs (
@@ -337,7 +340,7 @@ CREATE TABLE deleted_checkpoints (
 # table is rebuilt with the same columns in the same order, its rows and its index). Then the skills written per
 # round, the replay tests (student and replay rewards, gain, noise, empirical-Bayes fit, trust weight) and the
 # library as it stood after each round (one row per skill: status, tests so far, gains with an interval).
-RSIPO_TABLES = """
+RSIPO_REBUILD = """
 DROP INDEX trajectories_traj_id;
 DROP INDEX trajectories_model_id;
 CREATE TABLE trajectories_v8 (
@@ -367,7 +370,9 @@ DROP TABLE trajectories;
 ALTER TABLE trajectories_v8 RENAME TO trajectories;
 CREATE INDEX trajectories_traj_id ON trajectories (traj_id);
 CREATE INDEX trajectories_model_id ON trajectories (model_id);
+"""
 
+RSIPO_NEW_TABLES = """
 CREATE TABLE rsipo_skills (
     skill_id        VARCHAR,      -- '<run>/r<round>/rsipo/<task index>'
     run_id          VARCHAR,
@@ -442,6 +447,7 @@ CREATE TABLE rsipo_library (
     tests             JSON        -- every test so far: round, test_id, task_id, gain, noise, shrunk, weight
 );
 """
+RSIPO_TABLES = RSIPO_REBUILD + "\n" + RSIPO_NEW_TABLES
 
 # MASS (METHODS.md §4): the workflow versions a round searched (spec, parent, proposer, verdict figures, whether
 # it became the champion and whether it was retained), every multi-agent (or bare) episode the method played
@@ -533,22 +539,53 @@ MIGRATIONS: list[tuple[int, str, str]] = [
 ]
 
 
+# The lake (stores/lake.py) takes each migration through `lake_migration_sql` (no constraints, indexes or now()
+# defaults there); these versions differ beyond that. 5: the lake's lock row that serialises lease writes.
+# 8: no trajectories rebuild (it only widened a CHECK, which a lake table has none of; DuckLake can't rename a
+# table created in the same transaction either).
+LAKE_MIGRATIONS: dict[int, str] = {
+    5: LEASES + LAKE_LOCKS_SQL,
+    8: RSIPO_NEW_TABLES,
+}
+
+SCHEMA_MIGRATIONS = ("CREATE TABLE IF NOT EXISTS schema_migrations ("
+                     " version INTEGER PRIMARY KEY, name VARCHAR, applied_at TIMESTAMP)")
+
+
+def migration_sql(version: int, sql: str, lake: bool) -> str:
+    """The SQL a migration runs on this kind of store."""
+    return lake_migration_sql(LAKE_MIGRATIONS.get(version, sql)) if lake else sql
+
+
 def applied_versions(con: duckdb.DuckDBPyConnection) -> set[int]:
     """Versions recorded in `schema_migrations` (empty if the table does not exist yet)."""
     exists = con.sql(
         "SELECT count(*) FROM information_schema.tables WHERE table_name = 'schema_migrations'"
+        " AND table_catalog = current_database()"
     ).fetchall()[0][0]
     if not exists:
         return set()
     return {v for (v,) in con.sql("SELECT version FROM schema_migrations").fetchall()}
 
 
-def apply_migrations(con: duckdb.DuckDBPyConnection) -> list[int]:
-    """Apply pending migrations in version order, one transaction each; return the versions applied."""
-    con.execute(
-        "CREATE TABLE IF NOT EXISTS schema_migrations ("
-        " version INTEGER PRIMARY KEY, name VARCHAR, applied_at TIMESTAMP)"
-    )
+def apply_migrations(con: duckdb.DuckDBPyConnection, lake: bool = False) -> list[int]:
+    """Apply pending migrations in version order, one transaction each; return the versions applied.
+
+    On a lake several processes may open a new store at once: the later of two that create the same tables
+    fails its commit (a write conflict), rolls back and starts over, then finds the winner's versions applied.
+    """
+    for attempt in range(CONFLICT_RETRIES if lake else 1):
+        try:
+            return _apply(con, lake)
+        except duckdb.TransactionException:
+            if not lake or attempt == CONFLICT_RETRIES - 1:
+                raise
+            time.sleep(min(0.05 * 1.5 ** attempt, 1.0))
+    raise AssertionError("unreachable")
+
+
+def _apply(con: duckdb.DuckDBPyConnection, lake: bool) -> list[int]:
+    con.execute(lake_migration_sql(SCHEMA_MIGRATIONS) if lake else SCHEMA_MIGRATIONS)
     done = applied_versions(con)
     applied = []
     for version, name, sql in sorted(MIGRATIONS):
@@ -556,14 +593,17 @@ def apply_migrations(con: duckdb.DuckDBPyConnection) -> list[int]:
             continue
         con.begin()
         try:
-            con.execute(sql)
+            con.execute(migration_sql(version, sql, lake))
             con.execute(
                 "INSERT INTO schema_migrations VALUES (?, ?, ?)",
                 [version, name, datetime.now(UTC).replace(tzinfo=None)],
             )
             con.commit()
         except BaseException:
-            con.rollback()
+            try:
+                con.rollback()
+            except duckdb.TransactionException:
+                pass   # a failed commit has ended the transaction already
             raise
         applied.append(version)
     return applied

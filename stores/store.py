@@ -30,7 +30,11 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from stores import lake as lakes
 from stores.migrations import MIGRATIONS, applied_versions, apply_migrations
+
+# On a lake, columns the embedded schema fills with now() (DuckLake takes only literal defaults).
+_NOW_DEFAULTS = lakes.now_defaults([sql for _, _, sql in MIGRATIONS])
 
 Rows = list[dict[str, Any]] | pa.Table
 
@@ -73,6 +77,23 @@ def _rollback_quietly(con: duckdb.DuckDBPyConnection) -> None:
         pass
 
 
+def _is_conflict(err: BaseException) -> bool:
+    """A lake transaction that lost a write conflict to a concurrent one (safe to run again from the start)."""
+    return isinstance(err, duckdb.TransactionException) and "conflict" in str(err).lower()
+
+
+def _backoff(attempt: int) -> None:
+    time.sleep(min(0.05 * 1.5 ** attempt, 1.0))
+
+
+def _dicts(rel: duckdb.DuckDBPyRelation) -> list[dict]:
+    """A relation's rows as dicts (DuckDB 2.0 has `to_dicts`; 1.4, the lake's DuckDB, has not)."""
+    if hasattr(rel, "to_dicts"):
+        return rel.to_dicts()
+    names = rel.columns
+    return [dict(zip(names, row)) for row in rel.fetchall()]
+
+
 def _pid_alive(pid: int) -> bool:
     """Whether a process with this id exists on this host (one of another user counts as alive)."""
     try:
@@ -93,6 +114,8 @@ class StepWriter:
         self.round = round
         self.step = step
         self.step_metrics: dict | None = None
+        # On a lake: the writes so far, run again in order if the commit loses a write conflict.
+        self.replay: list[tuple[str, Any, Any]] = []
 
     def insert(self, table: str, rows: Rows) -> int:
         """Insert rows into `table`; return how many.
@@ -101,7 +124,7 @@ class StepWriter:
         key when absent; present, they must equal it (otherwise a rerun could not replace them).
         """
         key = (self.run_id, self.round, self.step)
-        return self.store._insert(table, rows, key if table in self.store.step_tables else None)
+        return self.store._insert(table, rows, key if table in self.store.step_tables else None, self.replay)
 
     def execute(self, sql: str, params: list | dict | None = None) -> list[tuple]:
         """Run one SQL statement (e.g. `UPDATE models SET role = ...`) inside the step's
@@ -110,6 +133,8 @@ class StepWriter:
         The result is fetched at once because DuckDB 2.0 refuses further work on a connection
         that holds an unfinished result.
         """
+        if self.store.lake:
+            self.replay.append(("execute", sql, params))
         return self.store.con.execute(sql, params).fetchall()
 
     def set_model_role(self, model_id: str, role: str) -> None:
@@ -124,10 +149,11 @@ class StepWriter:
 
 
 class Store:
-    """One project's DuckDB file: schema migrations, step transactions, run/round bookkeeping,
-    dataset export and lineage queries."""
+    """One project's DuckDB file, or a DuckLake (stores/lake.py): schema migrations, step transactions,
+    run/round bookkeeping, dataset export and lineage queries."""
 
-    def __init__(self, path: str | Path, read_only: bool = False, wait_s: float = 30.0):
+    def __init__(self, path: str | Path, read_only: bool = False, wait_s: float = 30.0,
+                 lake_data_path: str | Path | None = None):
         """Open (creating the file and its parent folders unless `read_only`) and, unless `read_only`, apply
         pending migrations.
 
@@ -135,9 +161,16 @@ class Store:
         `StoreLockedError`. A file that can't be opened as an rsiflow store (missing when read-only, under a
         file, not creatable, not a DuckDB database, another program's database, a schema newer than this
         code's) raises `StoreError` before anything is written.
+
+        `path` may name a DuckLake instead (`ducklake:postgres:<connection string>`, stores/lake.py); its
+        Parquet files go to `lake_data_path` when the lake is created. Many processes may open a lake at once.
         """
-        self.path = Path(path).expanduser()
         self.read_only = read_only
+        self.lake = lakes.is_lake(path)
+        if self.lake:
+            self._open_lake(str(path), lake_data_path)
+            return
+        self.path = Path(path).expanduser()
         if self.path.is_dir():
             raise StoreError(f"store {self.path} is a folder; set run.store to a file path, e.g. "
                              f"{self.path / 'rsiflow.duckdb'}")
@@ -156,6 +189,61 @@ class Store:
             raise
         self._schemas: dict[str, tuple[pa.Schema, set[str]]] = {}
         self.step_tables = self._find_step_tables()
+
+    def _open_lake(self, spec: str, data_path: str | Path | None) -> None:
+        """Attach the lake (stores/lake.py), check its schema and apply pending migrations (the lake flavour of
+        each: no constraints or indexes)."""
+        self.path = lakes.redact(spec)   # what messages show
+        for attempt in (0, 1):
+            con = None
+            try:
+                con = self._con = lakes.connect(spec, data_path, self.read_only)
+                self._check_schema()
+                break
+            except lakes.LakeUnavailable as err:
+                raise StoreError(str(err)) from None
+            except BaseException as err:
+                if con is not None:
+                    con.close()
+                if not isinstance(err, duckdb.Error):
+                    raise
+                if attempt:
+                    said = str(err).splitlines()[0]
+                    raise StoreError(f"store {self.path} can't be attached (DuckDB: {said}); check that its catalog "
+                                     f"database answers and that run.lake_data_path is set when the lake is new"
+                                     ) from None
+                lakes.forget(spec, self.read_only)   # attach afresh once: the catalog server may have restarted
+        try:
+            if self.read_only and not applied_versions(self._con):
+                raise StoreError(f"store {self.path} has no rsiflow schema: nothing has run with this run.store yet "
+                                 f"(`rsiflow run` creates it)")
+            if not self.read_only:
+                apply_migrations(self._con, lake=True)
+        except BaseException:
+            self._con.close()
+            raise
+        self._schemas = {}
+        self.step_tables = self._find_step_tables()
+
+    def _lake_tx(self, work, lock: bool = False):
+        """Run `work()` in a transaction of its own and commit, running it again from the start while the commit
+        loses a write conflict to a concurrent transaction (lake only). `lock` first updates the lake's lock row,
+        so that this transaction conflicts with every other one that does (lease writes, run creation)."""
+        con = self._con
+        for attempt in range(lakes.CONFLICT_RETRIES):
+            con.begin()
+            try:
+                if lock:
+                    con.execute(lakes.LEASE_LOCK_SQL)
+                result = work()
+                con.commit()
+                return result
+            except BaseException as err:
+                _rollback_quietly(con)
+                if not _is_conflict(err) or attempt == lakes.CONFLICT_RETRIES - 1:
+                    raise
+            _backoff(attempt)
+        raise AssertionError("unreachable")
 
     def _make_parent(self) -> None:
         parent = self.path.parent
@@ -179,6 +267,7 @@ class Store:
                              f"({newest}): it was written by a newer rsiflow; upgrade rsiflow to use it")
         if not versions:
             tables = [t for (t,) in self._con.sql("SELECT table_name FROM information_schema.tables"
+                                                   " WHERE table_catalog = current_database()"
                                                    " ORDER BY table_name").fetchall()]
             if tables:
                 raise StoreError(f"store {self.path} is a DuckDB database but not an rsiflow store (tables "
@@ -223,7 +312,7 @@ class Store:
         return self._con
 
     def close(self) -> None:
-        """Close the connection (DuckDB checkpoints the WAL into the file on close)."""
+        """Close the connection (DuckDB checkpoints the WAL into the file on close; a lake is detached)."""
         self._con.close()
 
     def __enter__(self) -> "Store":
@@ -238,7 +327,8 @@ class Store:
         """Tables with run_id, round and step columns, whose rows belong to one pipeline step."""
         rows = self._con.sql(
             "SELECT table_name FROM information_schema.columns"
-            " WHERE table_schema = 'main' AND column_name IN ('run_id', 'round', 'step')"
+            " WHERE table_catalog = current_database() AND table_schema = 'main'"
+            " AND column_name IN ('run_id', 'round', 'step')"
             " GROUP BY table_name HAVING count(*) = 3"
         ).fetchall()
         return {t for (t,) in rows} - _NOT_STEP_DATA
@@ -249,7 +339,7 @@ class Store:
         if table not in self._schemas:
             json_cols = self._con.sql(
                 "SELECT column_name, data_type = 'JSON' FROM information_schema.columns"
-                " WHERE table_schema = 'main' AND table_name = ?",
+                " WHERE table_catalog = current_database() AND table_schema = 'main' AND table_name = ?",
                 params=[table],
             ).fetchall()
             if not json_cols:
@@ -291,8 +381,10 @@ class Store:
                 data = data.append_column(field, pa.repeat(pa.scalar(value, field.type), data.num_rows))
         return data
 
-    def _insert(self, table: str, rows: Rows, step_key: tuple[str, int, str] | None) -> int:
-        """Bulk insert through Arrow; columns left out get their default (NULL unless declared)."""
+    def _insert(self, table: str, rows: Rows, step_key: tuple[str, int, str] | None,
+                replay: list | None = None) -> int:
+        """Bulk insert through Arrow; columns left out get their default (NULL unless declared). On a lake the
+        insert is also appended to `replay` (a step's log, run again if its commit loses a write conflict)."""
         if not isinstance(rows, pa.Table) and not rows:
             return 0
         data = self._to_arrow(table, rows)
@@ -300,13 +392,29 @@ class Store:
             data = self._with_step_key(table, data, step_key)
         if data.num_rows == 0:
             return 0
+        if self.lake:
+            data = self._with_now_defaults(table, data)
+            if replay is not None:
+                replay.append(("insert", table, data))
+        self._insert_arrow(table, data)
+        return data.num_rows
+
+    def _with_now_defaults(self, table: str, data: pa.Table) -> pa.Table:
+        """Fill the columns the embedded schema defaults to now() (lake tables take literal defaults only)."""
+        schema, _ = self._schema(table)
+        now = _utcnow()
+        for name in sorted(_NOW_DEFAULTS.get(table, set()) - set(data.column_names)):
+            field = schema.field(name)
+            data = data.append_column(field, pa.repeat(pa.scalar(now, field.type), data.num_rows))
+        return data
+
+    def _insert_arrow(self, table: str, data: pa.Table) -> None:
         view = "__rsiflow_insert"
         self._con.register(view, data)
         # No try/finally: after a failed INSERT the transaction is aborted and unregister()
         # would fail too, hiding the real error. The next insert or close() drops the view.
         self._con.execute(f'INSERT INTO "{table}" BY NAME SELECT * FROM {view}')
         self._con.unregister(view)
-        return data.num_rows
 
     # ---- step transactions ----------------------------------------------------------------
 
@@ -322,6 +430,9 @@ class Store:
         it completed and COMMIT. On an exception: ROLLBACK, record the step as failed with the
         error text in a new transaction, and re-raise.
         """
+        if self.lake:
+            yield from self._lake_step(run_id, round, step, started_at or _utcnow())
+            return
         con = self._con
         started = started_at or _utcnow()
         con.begin()
@@ -353,6 +464,69 @@ class Store:
             )
             raise
 
+    def _lake_step(self, run_id: str, round: int, step: str, started: datetime) -> Iterator[StepWriter]:
+        """`step` on a lake. No key to replace the status row by, so the transaction deletes the key's rows (its
+        old status row with them) and inserts the completed status row at the end. If the commit loses a write
+        conflict (a concurrent transaction deleted from a Parquet file this one deletes from), the transaction
+        is run again from the start: the deletes, then the step's logged writes in order (each is keyed by
+        the step or by ids it owns, so running them again gives the same rows). Round 0 (the run's creation, before
+        any lease exists) also takes the lake's lock row, so two processes creating one run write it once."""
+        con = self._con
+        key = [run_id, round, step]
+
+        def clear() -> None:
+            if round == 0:
+                con.execute(lakes.LEASE_LOCK_SQL)
+            for table in sorted(self.step_tables | {"steps"}):
+                con.execute(f'DELETE FROM "{table}" WHERE run_id = ? AND round = ? AND step = ?', key)
+
+        def finish(writer: StepWriter) -> None:
+            con.execute("INSERT INTO steps (run_id, round, step, status, started_at, finished_at, error, metrics)"
+                        " VALUES (?, ?, ?, 'completed', ?, ?, NULL, ?)",
+                        [*key, started, _utcnow(), _json_text(writer.step_metrics)])
+            con.commit()
+
+        writer = StepWriter(self, run_id, round, step)
+        con.begin()
+        try:
+            clear()
+            yield writer
+            finish(writer)
+        except BaseException as err:
+            _rollback_quietly(con)
+            if not _is_conflict(err):
+                self._lake_tx(lambda e=err: self._lake_step_failed(key, started, e))
+                raise
+            self._lake_replay(writer, clear, finish, started)
+
+    def _lake_replay(self, writer: StepWriter, clear, finish, started: datetime) -> None:
+        """Run a lake step's transaction again (clear, its logged writes, finish) until it commits."""
+        con = self._con
+        for attempt in range(lakes.CONFLICT_RETRIES):
+            _backoff(attempt)
+            con.begin()
+            try:
+                clear()
+                for kind, what, arg in writer.replay:
+                    if kind == "insert":
+                        self._insert_arrow(what, arg)
+                    else:
+                        con.execute(what, arg).fetchall()
+                finish(writer)
+                return
+            except BaseException as err:
+                _rollback_quietly(con)
+                if not _is_conflict(err) or attempt == lakes.CONFLICT_RETRIES - 1:
+                    key = [writer.run_id, writer.round, writer.step]
+                    self._lake_tx(lambda k=key, e=err: self._lake_step_failed(k, started, e))
+                    raise
+
+    def _lake_step_failed(self, key: list, started: datetime, err: BaseException) -> None:
+        self._con.execute("DELETE FROM steps WHERE run_id = ? AND round = ? AND step = ?", key)
+        self._con.execute("INSERT INTO steps (run_id, round, step, status, started_at, finished_at, error, metrics)"
+                          " VALUES (?, ?, ?, 'failed', ?, ?, ?, NULL)",
+                          [*key, started, _utcnow(), f"{type(err).__name__}: {err}"])
+
     # ---- runs and rounds ------------------------------------------------------------------
 
     def create_run(self, run_id: str, name: str, config: dict, base_model: str) -> None:
@@ -365,6 +539,14 @@ class Store:
                     f"run {run_id!r} already exists with a different config; "
                     f"use a new run id for a new config"
                 )
+            return
+        if self.lake:   # no key on a lake: the lock row makes a concurrent creation of the same run conflict
+            def create() -> None:
+                if self.get_run(run_id) is None:
+                    self._con.execute("INSERT INTO runs VALUES (?, ?, ?, ?, ?)",
+                                      [run_id, name, json.dumps(config), base_model, _utcnow()])
+            self._lake_tx(create, lock=True)
+            self.create_run(run_id, name, config, base_model)   # the config check, had another process won
             return
         self._con.execute(
             "INSERT INTO runs VALUES (?, ?, ?, ?, ?)",
@@ -382,6 +564,16 @@ class Store:
 
     def start_round(self, run_id: str, round: int, champion_before: str | None) -> None:
         """Mark a round running. Starting it again (resume) keeps its original started_at."""
+        if self.lake:   # no key for ON CONFLICT on a lake: update the row, or insert it
+            def start() -> None:
+                changed = self._con.execute(
+                    "UPDATE rounds SET status = 'running', champion_before = ?, finished_at = NULL"
+                    " WHERE run_id = ? AND round = ?", [champion_before, run_id, round]).fetchall()[0][0]
+                if not changed:
+                    self._con.execute("INSERT INTO rounds (run_id, round, status, champion_before, started_at)"
+                                      " VALUES (?, ?, 'running', ?, ?)", [run_id, round, champion_before, _utcnow()])
+            self._lake_tx(start)
+            return
         self._con.execute(
             "INSERT INTO rounds (run_id, round, status, champion_before, started_at)"
             " VALUES (?, ?, 'running', ?, ?)"
@@ -392,11 +584,13 @@ class Store:
 
     def finish_round(self, run_id: str, round: int, champion_after: str | None, metrics: dict) -> None:
         """Mark a started round completed with its resulting champion and metrics."""
-        updated = self._con.execute(
-            "UPDATE rounds SET status = 'completed', champion_after = ?, finished_at = ?, metrics = ?"
-            " WHERE run_id = ? AND round = ?",
-            [champion_after, _utcnow(), json.dumps(metrics), run_id, round],
-        ).fetchall()[0][0]
+        def finish() -> int:
+            return self._con.execute(
+                "UPDATE rounds SET status = 'completed', champion_after = ?, finished_at = ?, metrics = ?"
+                " WHERE run_id = ? AND round = ?",
+                [champion_after, _utcnow(), json.dumps(metrics), run_id, round],
+            ).fetchall()[0][0]
+        updated = self._lake_tx(finish) if self.lake else finish()
         if not updated:
             raise ValueError(f"round {round} of run {run_id!r} was never started")
 
@@ -457,20 +651,28 @@ class Store:
         another process on this host that no longer exists. Otherwise the row is left alone: the caller holds
         the lease only if the returned row's holder is `holder`. Two connections of one process racing for a
         free lease: DuckDB aborts the later writer, which tries again and then sees the winner's row.
+
+        On a lake, processes anywhere race for it: the transaction first updates the lake's lock row, so of two
+        concurrent ones the later commit fails (a write conflict) and it tries again, seeing the winner's row.
         """
         con = self._con
-        for attempt in range(50):
+        for attempt in range(lakes.CONFLICT_RETRIES if self.lake else 50):
             now = _utcnow()
             con.begin()
             try:
+                if self.lake:
+                    con.execute(lakes.LEASE_LOCK_SQL)
                 row = self.lease(run_id)
                 ours = row is not None and row["holder"] == holder
                 free = (row is None or ours or row["expires_at"] <= now
                         or (row["host"] == host and row["pid"] != pid and not _pid_alive(row["pid"])))
                 if free:
+                    if self.lake:   # no key on a lake: replace the row by hand
+                        con.execute("DELETE FROM leases WHERE run_id = ?", [run_id])
                     con.execute(
-                        "INSERT OR REPLACE INTO leases (run_id, holder, host, pid, flow_run_id, flow_run_name,"
-                        " acquired_at, heartbeat_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        f"INSERT {'' if self.lake else 'OR REPLACE '}INTO leases (run_id, holder, host, pid,"
+                        " flow_run_id, flow_run_name, acquired_at, heartbeat_at, expires_at)"
+                        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         [run_id, holder, host, pid, flow_run_id, flow_run_name,
                          row["acquired_at"] if ours else now, now, now + timedelta(seconds=ttl_s)],
                     )
@@ -479,15 +681,20 @@ class Store:
                 now_row = self.lease(run_id) if free else row
                 con.commit()
             except (duckdb.TransactionException, duckdb.ConstraintException):
-                # another connection of this process wrote the row first; read it once it has committed
+                # another connection of this process (a lake: another process) wrote the row first; read it once
+                # it has committed
                 _rollback_quietly(con)
-                time.sleep(0.01 * (attempt + 1))
+                if self.lake:
+                    _backoff(attempt)
+                else:
+                    time.sleep(0.01 * (attempt + 1))
                 continue
             except BaseException:
                 _rollback_quietly(con)
                 raise
             return now_row, (row if free and row is not None and not ours else None)
-        raise RuntimeError(f"could not read or take the lease of run {run_id!r}: 50 write conflicts in a row")
+        raise RuntimeError(f"could not read or take the lease of run {run_id!r}: {attempt + 1} write conflicts in a"
+                           " row")
 
     def heartbeat_lease(self, run_id: str, holder: str, ttl_s: float, flow_run_id: str | None = None,
                         flow_run_name: str | None = None) -> bool:
@@ -505,7 +712,10 @@ class Store:
 
     def _lease_write(self, sql: str, params: list) -> int:
         """One statement on a lease row, retried while another connection of this process writes the same row
-        (DuckDB refuses the later writer: "Conflict on update"); returns the rows changed."""
+        (DuckDB refuses the later writer: "Conflict on update"); returns the rows changed. On a lake, in a
+        transaction that takes the lake's lock row (stores/lake.py), run again while it loses a conflict."""
+        if self.lake:
+            return self._lake_tx(lambda: self._con.execute(sql, params).fetchall()[0][0], lock=True)
         for attempt in range(50):
             try:
                 return self._con.execute(sql, params).fetchall()[0][0]
@@ -784,7 +994,7 @@ class Store:
     def rows(self, sql: str, params: list | None = None, json_cols: tuple[str, ...] = ()) -> list[dict]:
         """Run a query and return its rows as dicts, parsing the named JSON columns. For benches and ad-hoc
         analysis; pipeline steps call the named methods above (steps hold no SQL)."""
-        rows = self._con.sql(sql, params=params).to_dicts()
+        rows = _dicts(self._con.sql(sql, params=params))
         for row in rows:
             for col in json_cols:
                 if row[col] is not None:

@@ -28,7 +28,8 @@ def utcnow() -> datetime:
 
 
 def open_store(cfg: Config, read_only: bool = False) -> Store:
-    return Store(cfg.run.store, read_only=read_only)
+    """The run's store: its DuckDB file, or its DuckLake (run.store 'ducklake:...', data under run.lake_data_path)."""
+    return Store(cfg.run.store, read_only=read_only, lake_data_path=cfg.run.lake_data_path)
 
 
 def env_factory(cfg: Config):

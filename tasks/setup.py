@@ -14,11 +14,13 @@ from typing import Any
 from configs.schema import Config, ConfigError
 from envs import EnvError, check_env_kwargs, make_env
 from models.loading import resolve_base_model
+from stores.lake import is_lake
 from tasks.common import open_store
 
 # Keys (and sections) that say how a run is executed, not what it computes: changing them continues the run.
 OPERATIONAL = (
     "run.rounds", "run.store", "run.run_dir", "run.model_cache", "prefect", "train.report_to", "train.keep_candidates",
+    "run.lake_data_path",
     "backend.hf.max_batch_size", "backend.hf.kv_reuse",
     "backend.vllm.python", "backend.vllm.kv_cache_gib", "backend.vllm.gpu_memory_utilization",
     "backend.vllm.enforce_eager", "backend.vllm.threads", "backend.vllm.start_timeout",
@@ -134,7 +136,7 @@ def ensure_run(cfg: Config) -> str:
     # An existing store is checked before anything else is written (a store refused on opening is left as it
     # was). Not read-only: the round's lease heartbeat opens it read-write from another thread of this process,
     # and DuckDB refuses a read-only and a read-write connection to one file in one process.
-    if Path(cfg.run.store).expanduser().exists():
+    if is_lake(cfg.run.store) or Path(cfg.run.store).expanduser().exists():
         with open_store(cfg) as store:
             run = store.get_run(run_id)
             if run is not None:
