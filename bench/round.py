@@ -21,17 +21,33 @@ figure against the budget is a ratio measured in this run: orchestration (prefec
 the round's wall time, budget <= 5%. Prefect's ephemeral API server starts on the first flow
 of a process; it is started (and timed) before the round, with a trivial flow, and reported
 apart, since `rsiflow run` pays it once per process, not per round.
+
+    python -m bench.round --config configs/tiny.yaml --pooled [--pools 'train=training,...'] [--worker-query-s 2]
+
+Pooled mode (flows/pooled.py): the same round twice in one bench run against one local Prefect server
+(started here): first in one process (attributed as above), then on a fresh store with every step on a
+process work pool (default: train on 'training', the rest on 'inference'), one `prefect worker start` per
+pool started (and stopped) here. For both it prints the share of the round's wall time spent outside the
+steps' bodies (wall minus the steps' own durations from the store's `steps` rows): Prefect, the lease, and,
+pooled, a flow run per step (the worker's poll, a new process, its imports, the engine); then per pooled
+step where its time went (waiting for a worker, process start to step start, the body, the end), the ratios
+pooled / one process, and whether the two stores hold the same rows (bench.chaos's comparison).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
+import json
 import os
+import signal
+import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -229,6 +245,176 @@ def children_cpu_s() -> float | None:
     return total
 
 
+DEFAULT_POOLS = {"generate": "inference", "evaluate": "inference", "distill": "inference", "train": "training",
+                 "gate": "inference", "deploy": "inference"}
+
+
+def worker_env(api_url: str, query_s: float | None = None) -> dict:
+    """Environment of a `prefect worker start` here: this server, the repository importable, no telemetry;
+    `query_s` sets how often it asks for scheduled runs (Prefect's default: 10 s)."""
+    env = {**os.environ, "PREFECT_API_URL": api_url, "PYTHONPATH": str(REPO),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false"}
+    if query_s is not None:
+        env["PREFECT_WORKER_QUERY_SECONDS"] = f"{query_s:g}"
+    return env
+
+
+def stop_group(proc: subprocess.Popen) -> set[int]:
+    """Stop a process started with start_new_session and everything in its group (a Prefect worker and the flow
+    runs it started): SIGINT, again after 10 s (a worker needs a second one), SIGKILL after 10 s more. Returns
+    the group's processes still alive after that (expected: none)."""
+    from bench.chaos import group_members
+
+    for sig in (signal.SIGINT, signal.SIGINT, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and group_members(proc.pid):
+            time.sleep(0.2)
+        if proc.poll() is not None and not group_members(proc.pid):
+            break
+    if proc.poll() is None:
+        proc.wait(timeout=10)
+    time.sleep(0.5)
+    return group_members(proc.pid)
+
+
+@contextmanager
+def process_workers(pools: set[str], api_url: str, log_dir: Path, query_s: float | None = None,
+                    start_timeout: float = 180.0) -> Iterator[dict[str, subprocess.Popen]]:
+    """One `prefect worker start --pool P --type process` per pool (logs in log_dir/worker-P.log), each in a
+    session of its own; yields {pool: process} once every worker is online on the server, and stops them all
+    (and the flow runs they started) at the end. `procs[pool].left` = processes of its group still alive after
+    the stop (filled at the end)."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    env = worker_env(api_url, query_s)
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        for pool in sorted(pools):
+            log = open(log_dir / f"worker-{pool}.log", "w")
+            procs[pool] = subprocess.Popen(
+                [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process",
+                 "--name", f"rsiflow-{pool}-{os.getpid()}"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        deadline = time.monotonic() + start_timeout
+        with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+            for pool, proc in procs.items():
+                while not any(w.status == "ONLINE" for w in client.read_workers_for_work_pool(pool)):
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"the worker of pool {pool!r} did not come online: "
+                                           + (log_dir / f"worker-{pool}.log").read_text()[-3000:])
+                    time.sleep(0.5)
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.left = stop_group(proc)
+
+
+def pooled_step_times(cfg, results: dict) -> list[dict]:
+    """Per pooled step, seconds: 'pickup' from its flow run's creation to Running (the worker's poll, a new
+    process, Prefect's import, the pull step, loading flows/pooled.py), 'start' from Running to the step body's
+    start in the store (importing the pipeline: torch, transformers, TRL; the config; the task engine), 'body'
+    (the store's step duration), 'end' from the body's end to the flow run's end."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+
+    from stores.store import Store
+
+    with Store(cfg.run.store, read_only=True) as store:
+        rows = {r["step"]: r for r in store.step_history(cfg.run.name) if r["round"] == 1}
+    def utc(t) -> datetime.datetime:   # the store keeps naive UTC
+        return datetime.datetime.fromtimestamp(t.timestamp(), datetime.UTC).replace(tzinfo=None)
+
+    out = []
+    with get_client(sync_client=True) as client:
+        for step, res in results.items():
+            if "flow_run_id" not in res:
+                continue
+            fr = client.read_flow_run(UUID(res["flow_run_id"]))
+            row = rows[step]
+            out.append({"step": step, "pool": fr.work_pool_name, "flow_run": fr.name, "state": fr.state.name,
+                        "pickup": (utc(fr.start_time) - utc(fr.created)).total_seconds(),
+                        "start": (row["started_at"] - utc(fr.start_time)).total_seconds(),
+                        "body": (row["finished_at"] - row["started_at"]).total_seconds(),
+                        "end": (utc(fr.end_time) - row["finished_at"]).total_seconds()})
+    return out
+
+
+def outside_steps(cfg, wall: float) -> tuple[float, dict[str, float]]:
+    """(seconds of the round's wall time outside the steps' bodies, {step: body seconds}) from the store."""
+    from stores.store import Store
+
+    with Store(cfg.run.store, read_only=True) as store:
+        body = {r["step"]: (r["finished_at"] - r["started_at"]).total_seconds()
+                for r in store.step_history(cfg.run.name) if r["round"] == 1 and r["status"] == "completed"}
+    return wall - sum(body.values()), body
+
+
+def run_pooled(files: list[str], sets: list[str], tmp: Path, pools: dict[str, str], query_s: float | None,
+               base_wall: float, base_cfg, base_secs: dict) -> None:
+    """The pooled round (see the module docstring) on its own store, against the server already in use, and
+    its figures against the one-process round `base_*` of the same config."""
+    from prefect.settings import PREFECT_API_URL
+
+    from bench.chaos import compare, table_rows
+    from configs.schema import load_config
+    from flows.pooled import deploy_steps
+    from flows.round import improvement_round
+    from stores.store import Store
+    from tasks.setup import config_differences
+
+    folder = tmp / "pooled"
+    overrides = [*sets, "run.name=bench-round", f"run.store={folder / 'store.duckdb'}",
+                 f"run.run_dir={folder / 'runs'}/{{name}}",
+                 "prefect.pools={" + ", ".join(f"{k}: {v}" for k, v in pools.items()) + "}"]
+    folder.mkdir(parents=True)
+    cfg = load_config(files, overrides)
+    for line in deploy_steps(cfg):
+        print(f"  {line}")
+    with process_workers(set(pools.values()), PREFECT_API_URL.value(), folder, query_s) as procs:
+        t0 = time.perf_counter()
+        out = improvement_round(files, overrides)
+        wall = time.perf_counter() - t0
+    left = sum(len(p.left) for p in procs.values())
+    outside, body = outside_steps(cfg, wall)
+    base_outside, base_body = outside_steps(base_cfg, base_wall)
+    q = f"{query_s:g} s" if query_s is not None else "Prefect's default 10 s"
+    print(f"\npooled round: {len(pools)} step(s) on work pools {sorted(set(pools.values()))} (process workers, poll "
+          f"every {q}); wall {wall:.1f} s vs one process {base_wall:.1f} s: ratio {wall / base_wall:.2f}")
+    print(f"  {'step':<9} {'pool':<10} {'pickup':>7} {'start':>7} {'body':>7} {'end':>6}   one-process body")
+    times = pooled_step_times(cfg, out["results"])
+    for t in times:
+        print(f"  {t['step']:<9} {t['pool']:<10} {t['pickup']:>7.1f} {t['start']:>7.1f} {t['body']:>7.1f} "
+              f"{t['end']:>6.1f}   {base_body.get(t['step'], float('nan')):>7.1f}")
+    tot = {k: sum(t[k] for t in times) for k in ("pickup", "start", "body", "end")}
+    print(f"  {'total':<9} {'':<10} {tot['pickup']:>7.1f} {tot['start']:>7.1f} {tot['body']:>7.1f} {tot['end']:>6.1f}"
+          f"   {sum(base_body.values()):>7.1f}")
+    print(f"  outside the steps' bodies / round wall: one process {base_outside:.1f} / {base_wall:.1f} s = "
+          f"{base_outside / base_wall:.3f}; pooled {outside:.1f} / {wall:.1f} s = {outside / wall:.3f} "
+          f"(ratio {outside / max(base_outside, 1e-9):.1f}x in seconds)")
+    print(f"  steps' bodies: pooled {sum(body.values()):.1f} s vs one process {sum(base_body.values()):.1f} s "
+          f"(ratio {sum(body.values()) / max(sum(base_body.values()), 1e-9):.2f}; a pooled step loads its models in "
+          "its own process, inside its body)")
+    orch = base_secs.get("prefect", 0.0) + base_secs.get("store", 0.0)
+    print(f"  one process, attributed orchestration (prefect + store) / wall = {orch / base_wall:.3f}")
+    # The runs table stores each run's config, which differs in prefect.pools (an operational key): compared apart
+    ref, pooled = table_rows(base_cfg.run.store, tmp), table_rows(cfg.run.store, folder)
+    diff = {t: compare(ref.get(t, []), pooled.get(t, [])) for t in sorted(set(ref) | set(pooled) - {"runs"})}
+    bad = {t: d for t, d in diff.items() if d["lost"] or d["duplicate"] or d["changed"]}
+    with Store(cfg.run.store, read_only=True) as store:
+        stored = store.get_run(cfg.run.name)["config"]
+    config_diff = config_differences(stored if isinstance(stored, dict) else json.loads(stored), base_cfg)
+    print(f"  rows: {sum(d['reference'] for d in diff.values())} one process, {sum(d['chaos'] for d in diff.values())}"
+          f" pooled; tables that differ (by key): {bad or 'none'}; the run's config differs in identity keys: "
+          f"{config_diff or 'none'}")
+    print(f"  worker processes left after stopping the workers: {left}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -239,7 +425,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--run-dir", help="run folder (default: a fresh temporary one)")
     ap.add_argument("--cprofile", metavar="FILE", help="also run under cProfile and write its stats here "
                     "(adds overhead to every Python call: use for where, not for how much)")
+    ap.add_argument("--pooled", action="store_true", help="also run the same round with its steps on process work "
+                    "pools (a local Prefect server and one worker per pool started here) and compare")
+    ap.add_argument("--pools", default=",".join(f"{k}={v}" for k, v in DEFAULT_POOLS.items()), metavar="STEP=POOL,...",
+                    help="pooled mode: which step runs on which pool (default: %(default)s)")
+    ap.add_argument("--worker-query-s", type=float, metavar="S", help="pooled mode: the workers' poll period "
+                    "(PREFECT_WORKER_QUERY_SECONDS; default Prefect's 10 s)")
     args = ap.parse_args(argv)
+    if args.pooled and (args.rounds != 1 or args.store or args.run_dir):
+        ap.error("--pooled compares one round on fresh temporary stores: no --rounds, --store or --run-dir")
+    pools = dict(item.split("=", 1) for item in args.pools.split(",") if item)
     os.chdir(REPO)
     files = [str(Path(f).resolve()) for f in (args.config or ["configs/default.yaml"])]
     tmp = Path(tempfile.mkdtemp(prefix="rsiflow-bench-round-"))
@@ -255,6 +450,15 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(files, overrides)
     instrument(cfg.env.name)
     import_s = time.perf_counter() - t_import
+    server = None
+    if args.pooled:   # workers need a server they reach: a local one for both rounds (the same API for both)
+        from prefect.server.api.server import SubprocessASGIServer
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        server = SubprocessASGIServer()
+        server.start()
+        settings = temporary_settings(updates={PREFECT_API_URL: server.api_url})
+        settings.__enter__()
 
     @flow(name="bench-warmup")
     def warmup() -> int:
@@ -264,8 +468,8 @@ def main(argv: list[str] | None = None) -> None:
     warmup()
     startup_s = time.perf_counter() - t0
     print(f"config {' '.join(files)} {' '.join(args.set)}\nstore {cfg.run.store}\n"
-          f"imports {import_s:.1f} s; Prefect ephemeral API start + first (empty) flow {startup_s:.1f} s "
-          f"(once per process)", flush=True)
+          f"imports {import_s:.1f} s; Prefect {'local server' if server else 'ephemeral API'} start + first (empty) "
+          f"flow {startup_s:.1f} s (once per process)", flush=True)
 
     profiler = None
     if args.cprofile:
@@ -299,6 +503,12 @@ def main(argv: list[str] | None = None) -> None:
     if profiler:
         profiler.dump_stats(args.cprofile)
         print(f"cProfile stats: {args.cprofile} (python -m pstats {args.cprofile})")
+    if args.pooled:
+        try:
+            run_pooled(files, args.set, tmp, pools, args.worker_query_s, wall, cfg, secs)
+        finally:
+            settings.__exit__(None, None, None)
+            server.stop()
 
 
 def print_round(rnd: int, wall: float, secs: dict, calls: dict, startup_s: float, cfg) -> None:

@@ -553,6 +553,25 @@ class PrefectConfig(_Section):
         "before it fails with a timeout (and is retried, see retries); null = no limit.")
     retries: int = Field(1, ge=0, le=10, description="Times a failed step is run again (10 s apart) before the round "
         "fails; every step replaces its rows when run again. Config errors are not retried.")
+    pools: dict[str, str] = Field(default_factory=dict, description="Steps that run as their own flow run on a "
+        "Prefect work pool, step -> work pool name (steps: generate, evaluate, distill, train, gate, deploy), e.g. "
+        "{generate: inference, train: training}; a step not named runs in the round's process; empty (the default) "
+        "= the whole round in one process. Needs a Prefect server (PREFECT_API_URL), `rsiflow pools deploy` and a "
+        "worker per pool (`prefect worker start --pool NAME --type process`); run.store, run.run_dir and "
+        "run.model_cache must be paths every worker reads.")
+    pool_start_timeout_s: float = Field(600.0, gt=0, description="Most seconds a step's flow run may wait for a "
+        "worker of its pool to start it (no worker, or all busy) before the round fails naming the pool.")
+
+    @field_validator("pools")
+    @classmethod
+    def _pool_steps(cls, v: dict[str, str]) -> dict[str, str]:
+        steps = ("generate", "evaluate", "distill", "train", "gate", "deploy")   # tasks.common.STEPS
+        for step, pool in v.items():
+            if step not in steps:
+                raise ValueError(f"unknown step {step!r} (steps: {', '.join(steps)})")
+            if not pool.strip():
+                raise ValueError(f"step {step!r}: empty work pool name")
+        return v
 
 
 class Config(_Section):

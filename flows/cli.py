@@ -259,6 +259,28 @@ def cmd_serve(args) -> None:
     print(stopped, file=sys.stderr, flush=True)
 
 
+def cmd_pools(args) -> None:
+    """`rsiflow pools deploy`: create the config's work pools (prefect.pools) that don't exist and register the
+    run's step deployments on them (flows/pooled.py); then print the worker commands."""
+    _prefect_env()
+    files, cfg = _load(args)
+    from prefect.settings import PREFECT_API_URL
+
+    from configs.schema import ConfigError
+    from flows.pooled import deploy_steps
+
+    if not PREFECT_API_URL.value():
+        raise ConfigError("rsiflow pools deploy registers work pools and deployments on a Prefect server: start one "
+                          "(prefect server start) and set PREFECT_API_URL, e.g. http://127.0.0.1:4200/api")
+    for line in deploy_steps(cfg, args.type):
+        print(f"rsiflow pools: {line}")
+    print("start a worker per pool (on machines that see the repository, run.store and run.run_dir):")
+    for pool in sorted(set(cfg.prefect.pools.values())):
+        print(f"  PREFECT_API_URL={PREFECT_API_URL.value()} prefect worker start --pool {pool} --type {args.type}")
+    print("then run rounds as usual (rsiflow run, or the improvement-round deployment) with PREFECT_API_URL set",
+          flush=True)
+
+
 def _seconds(s: float) -> str:
     return f"{s:.1f} s" if s < 600 else f"{s / 60:.1f} min"
 
@@ -356,6 +378,14 @@ def main(argv: list[str] | None = None) -> None:
                        parents=[debug])
     _config_args(p)
     p.set_defaults(func=cmd_report)
+    p = sub.add_parser("pools", help="Steps on Prefect work pools (prefect.pools): `deploy` creates the pools and "
+                       "registers the step deployments on the server at PREFECT_API_URL.", parents=[debug])
+    p.add_argument("action", choices=["deploy"],
+                   help="deploy: create the missing pools, register rsiflow-step/<run>-<step> on them")
+    _config_args(p)
+    p.add_argument("--type", default="process", help="Type of the work pools it creates (default process; an "
+                   "existing pool keeps its type)")
+    p.set_defaults(func=cmd_pools)
     args = parser.parse_args(argv)
     from configs.schema import ConfigError
     from flows.errors import StepFailed

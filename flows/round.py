@@ -23,6 +23,7 @@ from prefect.utilities.annotations import quote
 from configs.schema import Config, ConfigError, load_config
 from flows.errors import StepFailed
 from flows.lease import LeaseLostError, run_lease
+from flows.pooled import check_pools, run_on_pool
 from tasks.common import STEPS, open_store
 from tasks.deploy import redeploy
 from tasks.distill import distill_examples
@@ -62,7 +63,9 @@ def label_flow_run(cfg: Config, name: str) -> tuple[str | None, str | None]:
 
 def run_round(cfg: Config, lease_wait_s: float = 0.0) -> dict:
     """Run (or finish) the next round of `cfg`'s run under the run's lease; returns {round, steps run,
-    results}. A second starter waits up to `lease_wait_s` seconds for the run, then raises RunBusyError."""
+    results}. A second starter waits up to `lease_wait_s` seconds for the run, then raises RunBusyError.
+    Steps named in `prefect.pools` run as flow runs on their work pools (flows/pooled.py), the others here."""
+    check_pools(cfg)
     ensure_run(cfg)
     run_id = cfg.run.name
     with run_lease(cfg, lease_wait_s) as lease:
@@ -82,6 +85,9 @@ def run_round(cfg: Config, lease_wait_s: float = 0.0) -> dict:
             if step in done:
                 continue
             lease.check()
+            if step in cfg.prefect.pools:   # its own flow run on a worker of its pool; this flow waits for it
+                results[step], previous = run_on_pool(cfg, step, round, lease), None
+                continue
             # The UI's task graph shows the step order: each step waits for the previous one. Prefect would also
             # draw an edge from any object in a task's inputs that an earlier task returned (matched by id, e.g.
             # an interned string), so cfg is quoted (neither searched nor copied) and the previous step is passed
