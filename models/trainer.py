@@ -53,7 +53,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
@@ -180,22 +179,48 @@ class RowLoss:
         labels = inputs["labels"]
         loss = logits.new_zeros(())
         sft_loss = None
+        rows = (kind == DISTILL).nonzero().flatten()
+        # this micro-batch's labelled tokens and distillation denominator, summed over the processes (see
+        # _across_processes; both are this batch's own in one process), and the process count W that undoes DDP's
+        # gradient average
+        sft_tokens, distill_denom = self._across_processes(labels, weights, rows)
+        world = self.accelerator.num_processes
         if bool((labels[:, 1:] != -100).any()):
             # With num_items_in_batch the sum is already normalised over the whole accumulated step.
-            sft_loss = weighted_token_ce(logits, labels, weights, num_items_in_batch)
-            loss = loss + (sft_loss * self._token_sum_scale() if num_items_in_batch is not None else sft_loss / micro)
-        rows = (kind == DISTILL).nonzero().flatten()
+            if num_items_in_batch is not None:
+                sft_loss = weighted_token_ce(logits, labels, weights, num_items_in_batch) * self._token_sum_scale()
+                loss = loss + sft_loss
+            else:
+                sft_loss = weighted_token_ce(logits, labels, weights, sft_tokens) * world
+                loss = loss + sft_loss / micro
         if len(rows):
-            distill_loss, stats = self._distill_term(model, logits, inputs["input_ids"], weights, rows, extra)
+            distill_loss, stats = self._distill_term(model, logits, inputs["input_ids"], weights, rows, extra,
+                                                     distill_denom)
+            distill_loss = distill_loss * world
             loss = loss + self.distill.loss_weight * distill_loss / micro
             self.distill_log.append({**self._step_key(), "distill_loss": float(distill_loss.detach()),
                                      "sft_loss": float(sft_loss.detach()) if sft_loss is not None else math.nan,
                                      **stats})
         return loss, outputs
 
-    def _distill_term(self, model, logits, input_ids, weights, rows, extra) -> tuple[torch.Tensor, dict]:
-        """Σ_e w_e · mean_t(IS_t · D_t) over the batch's distillation rows, divided by Σ_e w_e (normalise "weights")
-        or by their count ("rows")."""
+    def _across_processes(self, labels, weights, rows) -> tuple[float, float]:
+        """(labelled tokens, distillation denominator: Σ w of the distillation rows, or their count with normalise
+        "rows") of this micro-batch, summed over all processes of an `accelerate launch` by one all-reduce, so that
+        a batch's mean over the rows of every process, times W (DDP averages the gradients), is the mean one process
+        holding all those rows would take. Every process calls it for every micro-batch (StoredRolloutGRPOTrainer
+        also where a micro-batch has no aux rows). In one process: this batch's own figures, no communication."""
+        local = torch.tensor([float((labels[:, 1:] != -100).sum()),
+                              sum(float(weights[r]) for r in rows) if self.distill.normalise == "weights"
+                              else float(len(rows))],
+                             dtype=torch.float64)
+        if self.accelerator.num_processes > 1:
+            local = self.accelerator.reduce(local.to(self.accelerator.device), reduction="sum").cpu()
+        return float(local[0]), float(local[1])
+
+    def _distill_term(self, model, logits, input_ids, weights, rows, extra,
+                      denom: float | None = None) -> tuple[torch.Tensor, dict]:
+        """Σ_e w_e · mean_t(IS_t · D_t) over the batch's distillation rows, divided by `denom` (over all processes'
+        batches, see _across_processes) or else by Σ_e w_e (normalise "weights") or their count ("rows")."""
         d = self.distill
         teacher = self.ema_teacher if self.ema_teacher is not None else model
         with torch.no_grad():
@@ -213,7 +238,9 @@ class RowLoss:
             w_sum += float(weights[r])
             tokens += float(len(sp))
             is_sum += float(isw.mean())
-        term = torch.stack(per_example).sum() / (max(w_sum, 1e-8) if d.normalise == "weights" else len(per_example))
+        if denom is None:
+            denom = w_sum if d.normalise == "weights" else len(per_example)
+        term = torch.stack(per_example).sum() / max(denom, 1e-8)
         return term, {"distill_rows": float(len(rows)), "distill_tokens": tokens, "is_weight_mean": is_sum / len(rows)}
 
 
@@ -429,6 +456,8 @@ class StoredRolloutGRPOTrainer(RowLoss, GRPOTrainer):
         if "aux" in inputs:
             aux_loss, _ = self._rows_loss(model, inputs["aux"])
             loss = loss + aux_loss
+        elif self.aux_rows and self.accelerator.num_processes > 1:  # the others' aux batches sum over this one too
+            self._across_processes(torch.full((1, 2), -100), torch.zeros(0), torch.zeros(0, dtype=torch.long))
         return loss
 
 
@@ -527,32 +556,43 @@ def _full_weights(trainer, model):
 
 
 def _merge_rank_logs(trainer) -> None:
-    """Under several processes each keeps its own per-micro-batch pg/distillation log: gather them (every process)
-    and keep on each one entry per optimizer step: means of the losses, ratios and weights over all processes'
-    micro-batches of the step, sums of the counts (rows, tokens). One process: the logs stay as they are."""
+    """Under W processes each keeps its own per-micro-batch pg/distillation log: gather them (every process) and keep
+    on each one entry per optimizer step. A process logs its share of the step's loss times W (RowLoss: the batch's
+    sum over all processes' rows, normalised, times W against DDP's average), so the losses of an entry are the sum of
+    the processes' values / W (a process without such rows that step adds 0), per micro-batch (/ the most entries
+    one process logged that step); the counts (rows, tokens) are summed; the ratios and weights (clip ratio, already
+    gathered by TRL; mean IS weight) averaged. One process: the logs stay as they are, one entry per micro-batch."""
     import torch.distributed as dist
 
-    if trainer.accelerator.num_processes == 1 or not dist.is_initialized():
+    world = trainer.accelerator.num_processes
+    if world == 1 or not dist.is_initialized():
         return
-    counts = {"tokens", "distill_rows", "distill_tokens"}
+    counts, scaled = {"tokens", "distill_rows", "distill_tokens"}, {"pg_loss", "distill_loss", "sft_loss"}
     for name in ("pg_log", "distill_log"):
         local = getattr(trainer, name, None)
         if local is None:
             continue
-        gathered: list = [None] * trainer.accelerator.num_processes
+        gathered: list = [None] * world
         dist.all_gather_object(gathered, local)
-        steps: dict[int, list[dict]] = {}
-        for entries in gathered:
+        steps: dict[int, list[list[dict]]] = {}
+        for rank, entries in enumerate(gathered):
             for e in entries:
-                steps.setdefault(int(e.get("step", 0)), []).append(e)
+                steps.setdefault(int(e.get("step", 0)), [[] for _ in range(world)])[rank].append(e)
         merged = []
         for step in sorted(steps):
-            entries = steps[step]
-            keys = [k for k in entries[0] if k != "step"]
-            merged.append({k: (sum(e[k] for e in entries) if k in counts
-                               else float(np.nanmean([e[k] for e in entries])) if any(
-                                   not math.isnan(e[k]) for e in entries) else math.nan)
-                           for k in keys})
+            per_rank = steps[step]
+            entries = [e for es in per_rank for e in es]
+            micro = max(len(es) for es in per_rank)
+            out = {}
+            for k in (k for k in entries[0] if k != "step"):
+                values = [e[k] for e in entries if not math.isnan(e[k])]
+                if k in counts:
+                    out[k] = sum(e[k] for e in entries)
+                elif not values:
+                    out[k] = math.nan
+                else:
+                    out[k] = sum(values) / (world * micro) if k in scaled else sum(values) / len(values)
+            merged.append(out)
         setattr(trainer, name, merged)
 
 
