@@ -260,25 +260,40 @@ def worker_env(api_url: str, query_s: float | None = None) -> dict:
 
 
 def stop_group(proc: subprocess.Popen) -> set[int]:
-    """Stop a process started with start_new_session and everything in its group (a Prefect worker and the flow
-    runs it started): SIGINT, again after 10 s (a worker needs a second one), SIGKILL after 10 s more. Returns
-    the group's processes still alive after that (expected: none)."""
-    from bench.chaos import group_members
+    """Stop a process started with start_new_session, its process group and its descendants (a Prefect worker
+    and the flow runs it started, which a process worker starts in process groups of their own): SIGINT to the
+    group, again after 10 s (a worker needs a second one), then SIGKILL to the group and to every descendant seen
+    that is still alive. Returns the processes still alive after that (expected: none)."""
+    from bench.chaos import alive, descendants, group_members
+
+    seen: set[int] = set()
+
+    def living() -> set[int]:
+        seen.update(descendants(proc.pid))
+        return {p for p in group_members(proc.pid) | seen if alive(p)}
 
     for sig in (signal.SIGINT, signal.SIGINT, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
+        left = living()
+        if not left:
             break
+        for target in ([proc.pid] if sig != signal.SIGKILL else []):
+            try:
+                os.killpg(target, sig)
+            except ProcessLookupError:
+                pass
+        if sig == signal.SIGKILL:
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and group_members(proc.pid):
+        while time.monotonic() < deadline and living():
+            proc.poll()   # reaps the worker once it exits
             time.sleep(0.2)
-        if proc.poll() is not None and not group_members(proc.pid):
-            break
-    if proc.poll() is None:
-        proc.wait(timeout=10)
+    proc.poll()
     time.sleep(0.5)
-    return group_members(proc.pid)
+    return living()
 
 
 @contextmanager
@@ -404,7 +419,7 @@ def run_pooled(files: list[str], sets: list[str], tmp: Path, pools: dict[str, st
     print(f"  one process, attributed orchestration (prefect + store) / wall = {orch / base_wall:.3f}")
     # The runs table stores each run's config, which differs in prefect.pools (an operational key): compared apart
     ref, pooled = table_rows(base_cfg.run.store, tmp), table_rows(cfg.run.store, folder)
-    diff = {t: compare(ref.get(t, []), pooled.get(t, [])) for t in sorted(set(ref) | set(pooled) - {"runs"})}
+    diff = {t: compare(ref.get(t, []), pooled.get(t, [])) for t in sorted((set(ref) | set(pooled)) - {"runs"})}
     bad = {t: d for t, d in diff.items() if d["lost"] or d["duplicate"] or d["changed"]}
     with Store(cfg.run.store, read_only=True) as store:
         stored = store.get_run(cfg.run.name)["config"]

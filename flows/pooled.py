@@ -13,8 +13,9 @@ run of the tasks it was started with, from any caller, and has no work pool, so 
 pause; a pool is exactly that, and its step flow runs show as subflows of the round in the UI.
 
 What a step run gets and gives:
-- parameters: the step, the round and the round's validated config as JSON (run.store, run.run_dir and
-  run.model_cache made absolute), so a worker runs exactly what the round checked, with no config file needed.
+- parameters: the step, the round and the round's validated config as JSON (a file run.store, run.run_dir,
+  run.model_cache and run.lake_data_path made absolute), so a worker runs exactly what the round checked, with
+  no config file needed.
 - it runs the step's own task (flows/round.py `step_task`: the config's retries and timeout, progress
   artifacts), which opens what it needs itself: the store, the champion's checkpoint from the registry (no
   backend or model stays in memory between steps; each step run is a fresh process).
@@ -50,11 +51,15 @@ def deployment_name(cfg: Config, step: str) -> str:
 def config_payload(cfg: Config) -> dict:
     """The config as JSON for a step run: only the keys set (a default stays a default), with the shared paths
     made absolute against the round's working directory (a worker runs in its own)."""
+    from stores.lake import store_location
+
     data = cfg.model_dump(mode="json", exclude_unset=True)
     run = data.setdefault("run", {})
-    run["store"] = os.path.abspath(Path(cfg.run.store).expanduser())
-    run["run_dir"] = os.path.abspath(Path(cfg.run.run_dir).expanduser())
-    run["model_cache"] = os.path.abspath(Path(cfg.run.model_cache).expanduser())
+    run["store"] = str(store_location(cfg.run.store))   # a DuckLake spec stays as written
+    for key in ("run_dir", "model_cache", "lake_data_path"):
+        value = getattr(cfg.run, key, None)
+        if value and "://" not in value:
+            run[key] = os.path.abspath(Path(value).expanduser())
     return data
 
 

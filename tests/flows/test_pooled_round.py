@@ -108,13 +108,14 @@ def test_a_round_with_its_steps_on_two_process_pools(tmp_path, prefect_api):
     assert deploy_steps(cfg)[:2] == ["work pool 'inference' exists (type process)",
                                      "work pool 'training' exists (type process)"]   # again: idempotent
 
-    with process_workers({"inference", "training"}, PREFECT_API_URL.value(), tmp_path) as workers:
+    # workers poll every 2 s (Prefect's default 10 s would add up to 8 s more per step)
+    with process_workers({"inference", "training"}, PREFECT_API_URL.value(), tmp_path, query_s=2) as workers:
         result = improvement_round([TINY], overrides)
         # The same round in one process (no pools) leaves the same rows
         one = improvement_round([TINY], tiny_overrides(ref, *SETS))
         assert one["round"] == 1 and "flow_run" not in one["results"]["train"]
         a, b = table_rows(ref / "store.duckdb", ref), table_rows(pooled / "store.duckdb", pooled)
-        diff = {t: compare(a.get(t, []), b.get(t, [])) for t in sorted(set(a) | set(b) - {"runs"})}
+        diff = {t: compare(a.get(t, []), b.get(t, [])) for t in sorted((set(a) | set(b)) - {"runs"})}
         assert sum(d["reference"] for d in diff.values()) > 100
         assert {t: d for t, d in diff.items() if d["lost"] or d["duplicate"] or d["changed"]} == {}, diff
         # the runs table holds each run's config: they differ in prefect.pools only, an operational key
@@ -149,11 +150,13 @@ def test_a_round_with_its_steps_on_two_process_pools(tmp_path, prefect_api):
         assert (line in logs[POOLS[step]], line in logs[other]) == (True, False), step
     assert not list((pooled / "runs" / "tiny" / "step-results").glob("*.json"))   # summaries read and removed
 
-    # The store: every step completed, the candidate trained, gated and promoted; round 2's failure recorded
+    # The store: every step completed, the candidate trained, gated and promoted
     store = pooled / "store.duckdb"
     assert _q(store, "SELECT step FROM steps WHERE round = 1 AND status = 'completed' ORDER BY step") == sorted(
         (s,) for s in STEPS)
     assert _q(store, "SELECT status FROM rounds WHERE round = 1") == [("completed",)]
     assert _q(store, "SELECT role FROM models WHERE model_id = 'tiny/r1/candidate'") == [("champion",)]
     assert _q(store, "SELECT decision FROM gate_decisions WHERE round = 1") == [("promote",)]
-    assert _q(store, "SELECT status FROM steps WHERE round = 2 AND step = 'generate'") == [("failed",)]
+    # round 2 stays open at its first step (generate failed before its transaction: nothing of it written)
+    assert _q(store, "SELECT status FROM rounds WHERE round = 2") == [("running",)]
+    assert _q(store, "SELECT count(*) FROM steps WHERE round = 2 AND status = 'completed'") == [(0,)]
