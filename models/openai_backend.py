@@ -140,6 +140,7 @@ class OpenAIBackend:
         except OSError:
             pass
         self._eos_ids = {e for e in eos if e is not None}
+        self._reprobe()   # servers an earlier backend of this process took out may answer again
         self.model = model or self._served_name()
         if redeploy == "none":  # a server rsiflow cannot switch serves, by assumption, what it is opened on
             with _STATE:

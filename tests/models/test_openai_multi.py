@@ -8,7 +8,7 @@ out (a log line names it) and its rows run on the others; all servers down is an
 updates every server and drops the one that fails; a server that comes back is redeployed before it gets a row.
 
 Slow tier: two real `vllm serve` CPU servers of SmolLM2 (skipped, saying why, where vLLM is not installed):
-greedy rows over both equal one server's, and one killed mid-batch.
+seeded rows over both equal one server's, and one killed mid-batch.
 """
 
 from __future__ import annotations
@@ -17,7 +17,10 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -207,9 +210,9 @@ def test_a_server_failing_mid_batch_is_taken_out_and_its_rows_run_on_the_others(
                                                                                fail_mode):
     [one] = servers(1)
     a, c = servers(2)
-    [b] = servers(1, fail_after=6, fail_mode=fail_mode, hang=2.0)   # fails with its 7th request
+    [b] = servers(1, fail_after=6, fail_mode=fail_mode, hang=6.0)   # fails with its 7th request
     want = _backend(tiny_path, [one.url]).generate(CHATS, SEEDED)
-    backend = _backend(tiny_path, [a.url, b.url, c.url], timeout=0.5, reprobe_seconds=3600)
+    backend = _backend(tiny_path, [a.url, b.url, c.url], timeout=2.0, reprobe_seconds=3600)
     with caplog.at_level(logging.INFO, logger=LOGGER):
         got = backend.generate(CHATS, SEEDED)
     assert _rows(got) == _rows(want)
@@ -294,6 +297,19 @@ def test_a_server_that_comes_back_is_redeployed_before_it_gets_a_row(tiny_path, 
     assert _rows(got) == _rows(_backend(tiny_path, [a.url]).generate(CHATS, SEEDED))
 
 
+def test_with_every_server_out_each_is_probed_at_once(tiny_path, servers):
+    [a] = servers(1)
+    backend = _backend(tiny_path, [a.url], reprobe_seconds=3600)
+    a.stop()
+    with pytest.raises(RuntimeError, match="no generation server is left"):
+        backend.generate(CHATS[:2], SEEDED)
+    assert a.url in openai_backend._DOWN
+    [back] = servers(1, port=a.port)               # back, before reprobe_seconds: none is left, so probed anyway
+    again = _backend(tiny_path, [a.url], reprobe_seconds=3600)   # its GET /models answers
+    assert again.model == "fake" and a.url not in openai_backend._DOWN
+    assert len(backend.generate(CHATS[:2], SEEDED)) == 2 and back.answered == 2
+
+
 def test_base_url_and_base_urls(tiny_path, servers):
     [a] = servers(1)
     assert OpenAIBackend(str(tiny_path), base_url=a.url + "/", retries=0).base_urls == [a.url]   # one-server form
@@ -310,3 +326,95 @@ def test_base_url_and_base_urls(tiny_path, servers):
     opts = load_config(["configs/default.yaml"], ["backend.kind=openai"]).backend.options()
     assert opts["base_url"] is None and opts["base_urls"] == []
     assert openai_backend.server_urls(None, None) == [openai_backend.DEFAULT_URL]
+
+
+# -- two real `vllm serve` CPU servers ----------------------------------------------------------------------
+
+def _start_vllm(python: str, model, port: int, log_path) -> subprocess.Popen:
+    """`vllm serve` of `model` on a loopback port, as tests/conftest.py's `vllm_server` starts it, with 1 GiB of KV
+    cache and one thread (two servers share this machine's cores); its own process group, so it can be killed."""
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    with open(log_path, "w") as out:
+        return subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                                 "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "rsiflow",
+                                 "--dtype", "float32", "--max-model-len", "2048", "--enable-prefix-caching",
+                                 "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+                                 "--enforce-eager"],
+                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+@pytest.fixture
+def second_vllm_server(vllm_server, smollm2_path, tmp_path):
+    """A second real `vllm serve` of SmolLM2 beside conftest's session one (which skips, saying why, where vLLM is
+    not installed): yields (base URL, Popen); killed at the end."""
+    import httpx
+
+    from tests.conftest import vllm_python
+
+    port, log = _closed_port(), tmp_path / "serve-2.log"
+    proc = _start_vllm(vllm_python() or sys.executable, smollm2_path, port, log)
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 900
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url + "/models", timeout=5).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                pytest.fail(f"vllm serve did not answer within 900 s:\n{log.read_text()[-3000:]}")
+            time.sleep(2)
+        yield url, proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+
+
+REAL = [[{"role": "user", "content": f"Count from {i} to {i + 20}, one number per line."}] for i in range(16)]
+
+
+@pytest.mark.slow
+def test_two_vllm_servers_share_a_batch_and_survive_one_killed_mid_batch(vllm_server, second_vllm_server,
+                                                                          smollm2_path, caplog):
+    url_a, (url_b, proc_b) = vllm_server, second_vllm_server
+    # seeded sampling (vLLM seeds per request: a row's sample does not depend on where it runs)
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, top_p=1.0, seed=5)
+    both = OpenAIBackend(str(smollm2_path), base_urls=[url_a, url_b], redeploy="vllm_reload", max_concurrency=4,
+                         retries=2, backoff_seconds=0.2, reprobe_seconds=3600)
+    record = both.serve(smollm2_path)              # every server this process has not switched yet is reloaded
+    assert list(record["urls"]) == [url_a, url_b] and record["urls"][url_b].startswith("reloaded weights in place")
+    one = OpenAIBackend(str(smollm2_path), base_url=url_a, redeploy="vllm_reload", max_concurrency=4)
+    t0 = time.monotonic()
+    alone = one.generate(REAL, params)
+    t1 = time.monotonic()
+    spread = both.generate(REAL, params)
+    t2 = time.monotonic()
+    assert {g.extra["server"] for g in spread} == {url_a, url_b}
+    same = sum(a.token_ids == b.token_ids for a, b in zip(alone, spread))
+    assert same >= len(REAL) - 1, same             # CPU float32 in other batches: a near-tie may flip one row
+
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(gens=both.generate(REAL, params)))
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        started = time.monotonic()
+        worker.start()
+        while not both._load[url_b] and worker.is_alive():   # this call's requests in flight on server b
+            time.sleep(0.01)
+        time.sleep(1.0)                            # into the batch: its rows are being prefilled / decoded
+        os.killpg(proc_b.pid, signal.SIGKILL)
+        killed_at = time.monotonic() - started
+        worker.join(timeout=600)
+    wall = time.monotonic() - started
+    assert not worker.is_alive() and len(result["gens"]) == len(REAL)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any(url_b in m and "taken out of rotation" in m for m in msgs), msgs
+    moved = [m for m in msgs if "runs again on another server" in m]
+    assert moved, "no row was in flight on the killed server: the kill came after the batch"
+    same_after = sum(a.token_ids == b.token_ids for a, b in zip(alone, result["gens"]))
+    assert same_after >= len(REAL) - 1, same_after
+    print(f"\n{len(REAL)} seeded rows x {params.max_new_tokens} tokens: one server {t1 - t0:.1f} s, two servers "
+          f"{t2 - t1:.1f} s ({same}/{len(REAL)} rows equal); {url_b} killed {killed_at:.1f} s into the batch: "
+          f"{len(moved)} rows ran again on {url_a}, batch {wall:.1f} s, {same_after}/{len(REAL)} rows equal to one "
+          f"server's")
