@@ -30,12 +30,13 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,6 +82,14 @@ class PostgresCluster:
         self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
         if self.as_user:
             shutil.chown(self.dir, "postgres")
+
+    @classmethod
+    def existing(cls, folder: Path, port: int = 5433) -> PostgresCluster:
+        """A cluster started elsewhere (its socket folder): createdb works, start/stop are not called."""
+        cluster = cls.__new__(cls)
+        cluster.bin, cluster.port, cluster.dir = postgres_bindir(), port, Path(folder)
+        cluster.data, cluster.as_user = cluster.dir / "data", []
+        return cluster
 
     def _run(self, *cmd: str) -> None:
         subprocess.run([*self.as_user, *cmd], check=True, capture_output=True, text=True, cwd=self.dir)
@@ -249,8 +258,25 @@ def _writer_main(argv: list[str]) -> int:
     return 0
 
 
+# Every child process started, so that an interrupted bench stops them (`_stop_children`).
+_CHILDREN: list[subprocess.Popen] = []
+
+
+def _popen(*args, **kwargs) -> subprocess.Popen:
+    proc = subprocess.Popen(*args, **kwargs)
+    _CHILDREN.append(proc)
+    return proc
+
+
+def _stop_children() -> None:
+    for proc in _CHILDREN:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def _spawn(spec: str, data: str, run_id: str, rounds: int, n: int, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "bench.lake", "--writer", spec, data, run_id, str(rounds), str(n)],
+    return _popen([sys.executable, "-m", "bench.lake", "--writer", spec, data, run_id, str(rounds), str(n)],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
 
@@ -314,7 +340,7 @@ def tiny_command(python: str, run: str, store: str, folder: Path, rounds: int, e
 
 
 def tiny_env(prefect_home: Path) -> dict:
-    env = {**os.environ, "PREFECT_HOME": str(prefect_home), "PYTHONPATH": str(REPO),
+    env = {**os.environ, "PREFECT_HOME": str(prefect_home), "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("PREFECT_API_URL", None)
     return env
@@ -331,7 +357,7 @@ def run_tiny(cluster: PostgresCluster, rounds: int, out: Path, python: str = sys
     for run, extra in TINY_RUNS.items():
         folder = lake_dir / run
         folder.mkdir(parents=True, exist_ok=True)
-        procs[run] = subprocess.Popen(tiny_command(python, run, spec, folder, rounds, extra, str(lake_dir / "data")),
+        procs[run] = _popen(tiny_command(python, run, spec, folder, rounds, extra, str(lake_dir / "data")),
                                       cwd=REPO, env=tiny_env(folder / "prefect"), stdout=open(folder / "log", "w"),
                                       stderr=subprocess.STDOUT)
     codes = {run: p.wait() for run, p in procs.items()}
@@ -341,9 +367,9 @@ def run_tiny(cluster: PostgresCluster, rounds: int, out: Path, python: str = sys
     for run, extra in TINY_RUNS.items():
         folder = out / "file" / run
         folder.mkdir(parents=True, exist_ok=True)
-        file_codes[run] = subprocess.run(
+        file_codes[run] = _popen(
             tiny_command(python, run, str(folder / "store.duckdb"), folder, rounds, extra), cwd=REPO,
-            env=tiny_env(folder / "prefect"), stdout=open(folder / "log", "w"), stderr=subprocess.STDOUT).returncode
+            env=tiny_env(folder / "prefect"), stdout=open(folder / "log", "w"), stderr=subprocess.STDOUT).wait()
     file_wall = time.perf_counter() - t0
     result: dict = {"rounds": rounds, "lake_concurrent_wall_s": round(lake_wall, 1),
                     "files_sequential_wall_s": round(file_wall, 1), "exit_codes": {"lake": codes, "file": file_codes},
@@ -372,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds each writer writes (store-write workload)")
     p.add_argument("--rows", type=int, default=32, help="trajectories per generate step (3 turns each)")
     p.add_argument("--tiny-rounds", type=int, default=0, help="instead: two tiny runs of this many rounds each")
+    p.add_argument("--catalog", type=Path, help="use the running cluster whose socket folder this is (port 5433; "
+                   "e.g. a test's) instead of starting one")
     p.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="rsiflow-lake-bench-")))
     args = p.parse_args(argv)
     missing = lake_missing()
@@ -379,13 +407,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.lake: {missing}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
+    # SIGTERM (a timeout) unwinds like Ctrl-C, so the PostgreSQL cluster is stopped and its folder removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results: dict = {"python": sys.executable, "cases": []}
-    with postgres_cluster() as cluster:
-        if args.tiny_rounds:
-            results["tiny"] = run_tiny(cluster, args.tiny_rounds, args.out)
-        else:
-            for n in args.writers:
-                results["cases"].append(store_case(cluster, n, args.rounds, args.rows, args.out))
+    try:
+        with postgres_cluster() if args.catalog is None else nullcontext(PostgresCluster.existing(args.catalog)) \
+                as cluster:
+            if args.tiny_rounds:
+                results["tiny"] = run_tiny(cluster, args.tiny_rounds, args.out)
+            else:
+                for n in args.writers:
+                    results["cases"].append(store_case(cluster, n, args.rounds, args.rows, args.out))
+    finally:
+        _stop_children()
     (args.out / "lake.json").write_text(json.dumps(results, indent=1))
     bad = 0
     if "tiny" in results:

@@ -130,6 +130,7 @@ def connect(spec: str, data_path: str | Path | None, read_only: bool) -> duckdb.
             base = _ATTACHED[key] = _attach(spec, data_path, read_only)
         cursor = base.cursor()
         cursor.execute(f"USE {ALIAS}")
+        cursor.execute("SET enable_progress_bar = false")   # DuckDB 1.4 draws one on stdout for slow queries
         return cursor
 
 
@@ -147,6 +148,7 @@ def _attach(spec: str, data_path: str | Path | None, read_only: bool) -> duckdb.
     con = duckdb.connect(config={"extension_directory": str(extension_dir()),
                                  "autoinstall_known_extensions": False, "autoload_known_extensions": False})
     try:
+        con.execute("SET enable_progress_bar = false")
         for name in _needed(spec):
             con.execute(f"LOAD {name}")
         for name, value in _DUCKLAKE_SETTINGS.items():

@@ -194,6 +194,8 @@ class Store:
         """Attach the lake (stores/lake.py), check its schema and apply pending migrations (the lake flavour of
         each: no constraints or indexes)."""
         self.path = lakes.redact(spec)   # what messages show
+        self.conflicts_retried = 0       # transactions of this Store run again after losing a write conflict
+        self._lake_writer: StepWriter | None = None   # the step whose transaction is open, if any
         for attempt in (0, 1):
             con = None
             try:
@@ -207,8 +209,11 @@ class Store:
                     con.close()
                 if not isinstance(err, duckdb.Error):
                     raise
+                said = str(err).splitlines()[0]
+                if self.read_only and "creating a new DuckLake is explicitly disabled" in said:
+                    raise StoreError(f"store {self.path} has no rsiflow schema: nothing has run with this run.store "
+                                     f"yet (`rsiflow run` creates it)") from None
                 if attempt:
-                    said = str(err).splitlines()[0]
                     raise StoreError(f"store {self.path} can't be attached (DuckDB: {said}); check that its catalog "
                                      f"database answers and that run.lake_data_path is set when the lake is new"
                                      ) from None
@@ -228,8 +233,18 @@ class Store:
     def _lake_tx(self, work, lock: bool = False):
         """Run `work()` in a transaction of its own and commit, running it again from the start while the commit
         loses a write conflict to a concurrent transaction (lake only). `lock` first updates the lake's lock row,
-        so that this transaction conflicts with every other one that does (lease writes, run creation)."""
+        so that this transaction conflicts with every other one that does (lease writes, run creation).
+
+        Inside a step's transaction (e.g. the deploy step finishing its round) the work joins that transaction
+        instead, and its log: a replay of the step runs it again."""
         con = self._con
+        if self._lake_writer is not None:
+            def joined():
+                if lock:
+                    con.execute(lakes.LEASE_LOCK_SQL)
+                return work()
+            self._lake_writer.replay.append(("call", joined, None))
+            return joined()
         for attempt in range(lakes.CONFLICT_RETRIES):
             con.begin()
             try:
@@ -242,6 +257,7 @@ class Store:
                 _rollback_quietly(con)
                 if not _is_conflict(err) or attempt == lakes.CONFLICT_RETRIES - 1:
                     raise
+            self.conflicts_retried += 1
             _backoff(attempt)
         raise AssertionError("unreachable")
 
@@ -266,8 +282,10 @@ class Store:
             raise StoreError(f"store {self.path} has schema version {max(versions)}, newer than this code's "
                              f"({newest}): it was written by a newer rsiflow; upgrade rsiflow to use it")
         if not versions:
+            # schema_migrations alone: a store being created (on a lake, by another process right now)
             tables = [t for (t,) in self._con.sql("SELECT table_name FROM information_schema.tables"
                                                    " WHERE table_catalog = current_database()"
+                                                   " AND table_name <> 'schema_migrations'"
                                                    " ORDER BY table_name").fetchall()]
             if tables:
                 raise StoreError(f"store {self.path} is a DuckDB database but not an rsiflow store (tables "
@@ -490,9 +508,17 @@ class Store:
         con.begin()
         try:
             clear()
+            self._lake_writer = writer
             yield writer
+        except BaseException as err:   # the step's own error: nothing of it is committed
+            self._lake_writer = None
+            _rollback_quietly(con)
+            self._lake_tx(lambda e=err: self._lake_step_failed(key, started, e))
+            raise
+        self._lake_writer = None
+        try:
             finish(writer)
-        except BaseException as err:
+        except BaseException as err:   # the commit: replayed only when it lost a write conflict
             _rollback_quietly(con)
             if not _is_conflict(err):
                 self._lake_tx(lambda e=err: self._lake_step_failed(key, started, e))
@@ -503,6 +529,7 @@ class Store:
         """Run a lake step's transaction again (clear, its logged writes, finish) until it commits."""
         con = self._con
         for attempt in range(lakes.CONFLICT_RETRIES):
+            self.conflicts_retried += 1
             _backoff(attempt)
             con.begin()
             try:
@@ -510,6 +537,8 @@ class Store:
                 for kind, what, arg in writer.replay:
                     if kind == "insert":
                         self._insert_arrow(what, arg)
+                    elif kind == "call":   # a Store write made inside the step (e.g. finish_round)
+                        what()
                     else:
                         con.execute(what, arg).fetchall()
                 finish(writer)
@@ -685,6 +714,7 @@ class Store:
                 # it has committed
                 _rollback_quietly(con)
                 if self.lake:
+                    self.conflicts_retried += 1
                     _backoff(attempt)
                 else:
                     time.sleep(0.01 * (attempt + 1))
