@@ -378,7 +378,7 @@ def run_pooled(files: list[str], sets: list[str], tmp: Path, pools: dict[str, st
 
     from bench.chaos import compare, table_rows
     from configs.schema import load_config
-    from flows.pooled import deploy_steps
+    from flows.pooled_step import deploy_steps
     from flows.round import improvement_round
     from stores.store import Store
     from tasks.setup import config_differences

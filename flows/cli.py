@@ -267,7 +267,7 @@ def cmd_pools(args) -> None:
     from prefect.settings import PREFECT_API_URL
 
     from configs.schema import ConfigError
-    from flows.pooled import deploy_steps
+    from flows.pooled_step import deploy_steps
 
     if not PREFECT_API_URL.value():
         raise ConfigError("rsiflow pools deploy registers work pools and deployments on a Prefect server: start one "

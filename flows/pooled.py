@@ -12,6 +12,8 @@ run of the tasks it was started with, from any caller, and has no work pool, so 
 "train runs on the GPU machines", no job template (process, Docker, Kubernetes) and no per-pool concurrency or
 pause; a pool is exactly that, and its step flow runs show as subflows of the round in the UI.
 
+The step flow and `deploy_steps` are in flows/pooled_step.py (it imports flows/round.py, which imports this).
+
 What a step run gets and gives:
 - parameters: the step, the round and the round's validated config as JSON (a file run.store, run.run_dir,
   run.model_cache and run.lake_data_path made absolute), so a worker runs exactly what the round checked, with
@@ -33,7 +35,7 @@ import os
 import time
 from pathlib import Path
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 
 from configs.schema import Config, ConfigError
 from flows.errors import StepFailed
@@ -77,29 +79,6 @@ def results_dir(cfg: Config) -> Path:
     return cfg.run_dir / "step-results"
 
 
-@flow(name=STEP_FLOW)
-def pooled_step(step: str, round: int, config: dict) -> dict:
-    """Run one step of a round (the step's task, with the config's retries and timeout) in this worker process;
-    the round flow that started this run holds the run's lease and waits for it."""
-    from prefect.runtime import flow_run
-    from prefect.utilities.annotations import quote
-
-    from flows.round import STEP_TASKS, step_task
-
-    if step not in STEP_TASKS:
-        raise ConfigError(f"unknown step {step!r} (steps: {', '.join(STEP_TASKS)})")
-    cfg = config_from_payload(config)
-    get_run_logger().info("round %d of run %r: step %s on this worker (pid %d, store %s)", round, cfg.run.name, step,
-                          os.getpid(), cfg.run.store)
-    result = step_task(cfg, step)(quote(cfg), round)
-    out = results_dir(cfg)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{flow_run.id}.json"
-    tmp.write_text(json.dumps(result, default=str))
-    tmp.replace(out / f"{flow_run.id}.json")
-    return result
-
-
 def _failure(state) -> str:
     """A failed step run's error as the in-process StepFailed gives it: '<Type>: <first line>'."""
     text = (state.message or "").strip().removeprefix("Flow run encountered an exception:").strip()
@@ -125,20 +104,18 @@ def _cancel(client, flow_run_id, why: str) -> None:
         get_run_logger().warning("could not cancel step flow run %s (%s): %s", flow_run_id, why, err)
 
 
-def run_on_pool(cfg: Config, step: str, round: int, lease) -> dict:
-    """Run `step` of `round` as a flow run of its deployment on its work pool and wait for it (the round's
-    lease heartbeats meanwhile). Returns the step's summary with the flow run and pool; raises StepFailed (or
-    ConfigError, LeaseLostError) as the in-process step would."""
+def run_on_pool(cfg: Config, step: str, round: int, lease, tags: list[str]) -> dict:
+    """Run `step` of `round` as a flow run of its deployment on its work pool, tagged `tags` + step and pool, and
+    wait for it (the round's lease heartbeats meanwhile). Returns the step's summary with the flow run and pool;
+    raises StepFailed (or ConfigError, LeaseLostError) as the in-process step would."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
-
-    from flows.round import run_tags
 
     pool, name = cfg.prefect.pools[step], f"{cfg.run.name}-round-{round}-{step}"
     logger = get_run_logger()
     fr = run_deployment(deployment_name(cfg, step), parameters={"step": step, "round": round,
                                                                 "config": config_payload(cfg)},
-                        flow_run_name=name, tags=[*run_tags(cfg), f"step:{step}", f"pool:{pool}"], timeout=0)
+                        flow_run_name=name, tags=[*tags, f"step:{step}", f"pool:{pool}"], timeout=0)
     logger.info("round %d step %s: flow run %r on work pool %r", round, step, name, pool)
     created = time.monotonic()
     with get_client(sync_client=True) as client:
@@ -206,40 +183,3 @@ def check_pools(cfg: Config) -> None:
             if d.work_pool_name != pool:
                 raise ConfigError(f"prefect.pools (from {where}) puts step {step} on work pool {pool!r}, but "
                                   f"deployment {name!r} is on work pool {d.work_pool_name!r}: {deploy}")
-
-
-def deploy_steps(cfg: Config, pool_type: str = "process") -> list[str]:
-    """Create the config's work pools that don't exist yet (of `pool_type`; an existing pool of any type is
-    kept) and register deployment `rsiflow-step/<run>-<step>` of each pooled step on its pool. Process pools
-    run the step in this repository's folder (job variable working_dir). Returns what was done, one line each."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectNotFound
-    from prefect.workers.process import ProcessWorker
-
-    from flows.round import run_tags
-
-    if not cfg.prefect.pools:
-        raise ConfigError(f"prefect.pools is empty (from {cfg.source_of('prefect.pools')}): every step runs in the "
-                          "round's process, nothing to deploy; set e.g. --set 'prefect.pools={train: training}'")
-    lines, types = [], {}
-    with get_client(sync_client=True) as client:
-        for pool in sorted(set(cfg.prefect.pools.values())):
-            try:
-                types[pool] = client.read_work_pool(pool).type
-                lines.append(f"work pool {pool!r} exists (type {types[pool]})")
-            except ObjectNotFound:
-                template = ProcessWorker.get_default_base_job_template() if pool_type == "process" else None
-                client.create_work_pool(WorkPoolCreate(name=pool, type=pool_type, base_job_template=template or {}))
-                types[pool] = pool_type
-                lines.append(f"work pool {pool!r} created (type {pool_type})")
-    source = pooled_step.from_source(source=str(REPO), entrypoint="flows/pooled.py:pooled_step")
-    for step, pool in cfg.prefect.pools.items():
-        d = source.to_deployment(
-            name=deployment_name(cfg, step).split("/", 1)[1], work_pool_name=pool,
-            tags=[*run_tags(cfg), f"step:{step}"],
-            job_variables={"working_dir": str(REPO)} if types[pool] == "process" else None,
-            description=f"Step {step} of a round of run {cfg.run.name!r}, started by the round flow (flows/pooled.py)")
-        d.apply()
-        lines.append(f"deployment {deployment_name(cfg, step)!r} on work pool {pool!r}")
-    return lines

@@ -86,7 +86,7 @@ def run_round(cfg: Config, lease_wait_s: float = 0.0) -> dict:
                 continue
             lease.check()
             if step in cfg.prefect.pools:   # its own flow run on a worker of its pool; this flow waits for it
-                results[step], previous = run_on_pool(cfg, step, round, lease), None
+                results[step], previous = run_on_pool(cfg, step, round, lease, run_tags(cfg)), None
                 continue
             # The UI's task graph shows the step order: each step waits for the previous one. Prefect would also
             # draw an edge from any object in a task's inputs that an earlier task returned (matched by id, e.g.

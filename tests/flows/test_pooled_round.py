@@ -92,7 +92,8 @@ def test_a_round_with_its_steps_on_two_process_pools(tmp_path, prefect_api):
     from bench.chaos import compare, table_rows
     from bench.round import process_workers
     from flows.errors import StepFailed
-    from flows.pooled import check_pools, deploy_steps
+    from flows.pooled import check_pools
+    from flows.pooled_step import deploy_steps
     from flows.round import improvement_round
     from tasks.common import STEPS
     from tasks.setup import config_differences
