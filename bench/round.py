@@ -331,9 +331,9 @@ def process_workers(pools: set[str], api_url: str, log_dir: Path, query_s: float
 
 def pooled_step_times(cfg, results: dict) -> list[dict]:
     """Per pooled step, seconds: 'pickup' from its flow run's creation to Running (the worker's poll, a new
-    process, Prefect's import, the pull step, loading flows/pooled.py), 'start' from Running to the step body's
-    start in the store (importing the pipeline: torch, transformers, TRL; the config; the task engine), 'body'
-    (the store's step duration), 'end' from the body's end to the flow run's end."""
+    process, Prefect's import, the pull step, loading flows/pooled_step.py, which imports the pipeline: torch,
+    transformers, TRL), 'start' from Running to the step body's start in the store (the rest of the imports, the
+    config, the task engine), 'body' (the store's step duration), 'end' from the body's end to the flow run's end."""
     from uuid import UUID
 
     from prefect.client.orchestration import get_client
