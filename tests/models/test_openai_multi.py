@@ -310,6 +310,21 @@ def test_with_every_server_out_each_is_probed_at_once(tiny_path, servers):
     assert len(backend.generate(CHATS[:2], SEEDED)) == 2 and back.answered == 2
 
 
+def test_a_config_with_base_urls_opens_a_backend_over_all_of_them(tiny_path, servers):
+    from tasks.common import backend_for
+
+    two = servers(2)
+    urls = ", ".join(s.url for s in two)
+    cfg = load_config(["configs/default.yaml"], ["backend.kind=openai", f"backend.openai.base_urls=[{urls}]",
+                                                 "backend.openai.redeploy=vllm_reload",
+                                                 "backend.openai.max_concurrency=2"])
+    backend = backend_for(cfg, str(tiny_path))
+    assert backend.base_urls == [s.url for s in two] and backend.reprobe_seconds == 60.0
+    backend.generate(CHATS[:8], SEEDED)
+    assert sum(s.answered for s in two) == 8 and min(s.answered for s in two) >= 2
+    assert {s.serving for s in two} == {str(tiny_path)}   # redeploy reached both
+
+
 def test_base_url_and_base_urls(tiny_path, servers):
     [a] = servers(1)
     assert OpenAIBackend(str(tiny_path), base_url=a.url + "/", retries=0).base_urls == [a.url]   # one-server form
