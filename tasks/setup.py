@@ -26,7 +26,8 @@ OPERATIONAL = (
     "backend.vllm.enforce_eager", "backend.vllm.threads", "backend.vllm.start_timeout",
     "backend.openai.base_url", "backend.openai.api_key_env", "backend.openai.timeout", "backend.openai.retries",
     "backend.openai.backoff_seconds", "backend.openai.max_concurrency", "backend.openai.redeploy",
-    "backend.openai.redeploy_command",
+    "backend.openai.redeploy_command", "backend.openai.base_urls", "backend.openai.reprobe_seconds",
+    "train.accelerate_config", "train.main_process_port",
 )
 
 
