@@ -32,6 +32,7 @@ import importlib.util
 import re
 import sys
 import threading
+import time
 from pathlib import Path
 
 import duckdb
@@ -160,7 +161,17 @@ def _attach(spec: str, data_path: str | Path | None, read_only: bool) -> duckdb.
             options.append(f"DATA_PATH '{_quote(str(folder) + '/')}'")
         if read_only:
             options.append("READ_ONLY")
-        con.execute(f"ATTACH '{_quote(spec)}' AS {ALIAS}" + (f" ({', '.join(options)})" if options else ""))
+        attach = f"ATTACH '{_quote(spec)}' AS {ALIAS}" + (f" ({', '.join(options)})" if options else "")
+        for attempt in range(CONFLICT_RETRIES):
+            try:
+                con.execute(attach)
+                break
+            except duckdb.Error as err:
+                # the first attach of a new lake creates DuckLake's tables in the catalog database; of two
+                # processes doing that at once one fails (PostgreSQL: duplicate key): the lake exists, attach again
+                if "Failed to initialize DuckLake" not in str(err) or attempt == CONFLICT_RETRIES - 1:
+                    raise
+            time.sleep(min(0.05 * 1.5 ** attempt, 1.0))
         con.execute(f"USE {ALIAS}")
     except BaseException:
         con.close()

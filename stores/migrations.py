@@ -572,13 +572,15 @@ def apply_migrations(con: duckdb.DuckDBPyConnection, lake: bool = False) -> list
     """Apply pending migrations in version order, one transaction each; return the versions applied.
 
     On a lake several processes may open a new store at once: the later of two that create the same tables
-    fails its commit (a write conflict), rolls back and starts over, then finds the winner's versions applied.
+    fails (its commit loses a write conflict, or its CREATE finds the other's table), rolls back and starts over,
+    then finds the winner's versions applied.
     """
     for attempt in range(CONFLICT_RETRIES if lake else 1):
         try:
             return _apply(con, lake)
-        except duckdb.TransactionException:
-            if not lake or attempt == CONFLICT_RETRIES - 1:
+        except (duckdb.TransactionException, duckdb.CatalogException) as err:
+            lost_race = isinstance(err, duckdb.TransactionException) or "already exists" in str(err)
+            if not lake or not lost_race or attempt == CONFLICT_RETRIES - 1:
                 raise
             time.sleep(min(0.05 * 1.5 ** attempt, 1.0))
     raise AssertionError("unreachable")
@@ -593,6 +595,9 @@ def _apply(con: duckdb.DuckDBPyConnection, lake: bool) -> list[int]:
             continue
         con.begin()
         try:
+            if lake and version in applied_versions(con):   # another process applied it since `done` was read
+                con.commit()
+                continue
             con.execute(migration_sql(version, sql, lake))
             con.execute(
                 "INSERT INTO schema_migrations VALUES (?, ?, ?)",

@@ -193,6 +193,42 @@ def test_store_api_on_a_lake(cluster, tmp_path):
     assert list((tmp_path / "data").rglob("*.parquet")), "the lake wrote no Parquet files under lake_data_path"
 
 
+OPEN = r"""
+import sys, time
+from pathlib import Path
+import stores.lake as lake
+spec, data, go = sys.argv[1:4]
+lake.connect(spec, data, False).close()   # attached (extensions loaded) before the start signal
+while not Path(go).exists():
+    time.sleep(0.01)
+from stores.store import Store
+Store(spec, lake_data_path=data).close()
+print("ok")
+"""
+
+
+@pytest.mark.slow
+@needs_lake
+def test_processes_creating_one_new_lake_at_once_apply_each_migration_once(cluster, tmp_path):
+    """Four processes open a new lake at the same instant: those that lose a migration's race (a commit conflict,
+    or a CREATE that finds the winner's table) start over and find it applied. All open it; each version is
+    recorded once."""
+    spec = cluster.createdb("fresh")
+    go = tmp_path / "go"
+    procs = [subprocess.Popen([str(LAKE_PYTHON), "-c", OPEN, spec, str(tmp_path / "data"), str(go)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV) for _ in range(4)]
+    time.sleep(25)
+    go.touch()
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0 and stdout.strip().endswith("ok"), stderr[-3000:]
+    versions = json.loads(lake_python(
+        "import json, sys; from stores.store import Store; s = Store(sys.argv[1], read_only=True)\n"
+        "print(json.dumps([v for (v,) in s.con.sql('SELECT version FROM schema_migrations ORDER BY 1').fetchall()]))",
+        spec))
+    assert versions == sorted(v for v, _, _ in MIGRATIONS)
+
+
 RACE = r"""
 import json, os, socket, sys, time
 from pathlib import Path
