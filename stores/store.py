@@ -14,6 +14,10 @@ Writes of a step go through `Store.step`:
 Entering the block deletes every row the same (run_id, round, step) wrote before, so a
 rerun replaces rows instead of duplicating them; leaving it commits (or rolls back and marks
 the step failed). A process killed mid-step leaves the file as of the last commit.
+
+`run.store` may instead name a DuckLake (`ducklake:postgres:...`, stores/lake.py) that many processes write at
+once: the same API and schema (less the constraints and indexes DuckLake lacks), each step still one
+transaction, run again from its log when its commit loses a write conflict to another process.
 """
 
 import json
