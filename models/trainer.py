@@ -406,7 +406,9 @@ class StoredRolloutGRPOTrainer(RowLoss, GRPOTrainer):
         seed) and an optimizer step takes the next ga x W of them; process r trains on those at positions r, r+W, ...
         of the step (as accelerate's BatchSamplerShard deals SFT batches), and `num_items_in_batch` counts the
         action tokens of all W processes' micro-batches of the step. The list is wrapped around to a multiple of W
-        (as accelerate's even_batches does), so every process runs as many backward passes."""
+        (as accelerate's even_batches does), so every process runs as many backward passes. The aux rows are dealt
+        over slots (the W micro-batches at one position of a step), each slot's share split over its W processes: so W
+        processes with batch size B/W see per step the pg and aux rows one process with batch size B would."""
         bs, ga = self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         rng = random.Random(self.args.seed)
@@ -422,10 +424,12 @@ class StoredRolloutGRPOTrainer(RowLoss, GRPOTrainer):
                 micro = [order[i:i + bs] for i in range(0, len(order), bs)]
                 aux = list(range(len(self.aux_rows)))
                 rng.shuffle(aux)
-                shares = [aux[i::len(micro)] for i in range(len(micro))]
                 n = len(micro)
                 micro += [micro[i % n] for i in range(-n % world)]
-                shares += [[] for _ in range(-n % world)]  # a wrapped micro-batch brings no aux rows twice
+                # aux rows are dealt over slots (a slot: the W micro-batches the processes train on side by side;
+                # one process: a micro-batch), then within a slot over its processes
+                slots = len(micro) // world
+                shares = [aux[i::slots] for i in range(slots)]
                 for s in range(0, len(micro), ga * world):
                     step = micro[s:s + ga * world]
                     tokens = sum(sum(self.pg_rows[i]["action_mask"]) for m in step for i in m)
@@ -435,8 +439,9 @@ class StoredRolloutGRPOTrainer(RowLoss, GRPOTrainer):
                         # TRL's dapo normaliser is num_items * ga / steps_per_generation: make it this step's tokens
                         batch["pg"]["num_items_in_batch"] = torch.tensor(
                             float(tokens) * self.args.steps_per_generation / ga)
-                        if shares[s + k]:
-                            batch["aux"] = self._aux_collator([dict(self.aux_rows[i]) for i in shares[s + k]])
+                        share = shares[(s + k) // world][rank::world]
+                        if share:
+                            batch["aux"] = self._aux_collator([dict(self.aux_rows[i]) for i in share])
                         yield batch
 
         return DataLoader(Passes(), batch_size=None)
@@ -461,6 +466,13 @@ class StoredRolloutGRPOTrainer(RowLoss, GRPOTrainer):
         return loss
 
 
+# Under DDP (accelerate launch) a process runs as many forward passes as its rows need (teacher passes of
+# distillation rows, the aux rows of a GRPO micro-batch), not as many as the others: DDP's per-forward buffer
+# broadcast (a collective) would then wait forever. The causal LMs' buffers (rotary tables) are constants, so
+# they are not broadcast; the gradients are still all-reduced once per backward.
+DDP_BROADCAST_BUFFERS = False
+
+
 def grpo_args(cfg, policy: PolicyLoss, out_dir: str, seed: int, n_rows: int, use_cpu: bool, bf16: bool,
               report: dict | None = None):
     """TRL's GRPOConfig for training on stored rows: the micro-batch is the largest divisor of the row count
@@ -474,7 +486,8 @@ def grpo_args(cfg, policy: PolicyLoss, out_dir: str, seed: int, n_rows: int, use
         temperature=policy.temperature, max_completion_length=cfg.max_length, num_iterations=1,
         warmup_steps=cfg.warmup_ratio, lr_scheduler_type=cfg.lr_scheduler, seed=seed, use_cpu=use_cpu, bf16=bf16,
         fp16=False, logging_steps=1, save_strategy="no", disable_tqdm=True,
-        remove_unused_columns=False, log_completions=False, **(report or {"report_to": []}),
+        remove_unused_columns=False, log_completions=False, ddp_broadcast_buffers=DDP_BROADCAST_BUFFERS,
+        **(report or {"report_to": []}),
     )
 
 
@@ -708,6 +721,7 @@ def train_candidate(
             save_strategy="no",
             disable_tqdm=True,
             dataset_num_proc=None,
+            ddp_broadcast_buffers=DDP_BROADCAST_BUFFERS,
             **report,
         )
         dataset = Dataset.from_list(encoded)
