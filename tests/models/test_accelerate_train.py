@@ -27,8 +27,9 @@ from tests.conftest import REPO, TINY, tiny_overrides
 # 2.4e-7, GRPO with riding rows 1.2e-6 (weights: see the README's accelerate part). The bounds leave room for other
 # thread counts and BLAS builds; a wrong deal of the rows or a missing loss scale moves the curve by >1e-2.
 LOSS_RTOL = 1e-4    # |loss_2 - loss_1| / max(1, |loss_1|) at every step
-WEIGHT_RTOL = 0.05  # ||w_2 - w_1|| / ||w_1 - w_parent|| over all weights (Adam magnifies rounding where gradients
-                    # are ~0: single elements differ more, max |w_2 - w_1| / max |w_1 - w_parent| is printed too)
+WEIGHT_RTOL = 1e-3  # ||w_2 - w_1|| / ||w_1 - w_parent|| over all weights; measured 8.9e-6 (SFT+distillation+
+                    # validation), 3.6e-5 (GRPO with riding rows). Adam magnifies rounding where gradients are ~0, so
+                    # single elements differ more (max |w_2 - w_1| / max |w_1 - w_parent|: 0.007, 0.036; printed)
 ACCEL = REPO / "configs" / "accelerate"
 
 
