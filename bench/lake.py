@@ -43,6 +43,8 @@ REPO = Path(__file__).resolve().parents[1]
 LAKE_PYTHON = REPO / ".venv-lake" / "bin" / "python"
 # Tables that record who held the store when (not what a run computed).
 BOOKKEEPING = {"leases", "schema_migrations", "lake_locks"}
+# Config keys that say where a run's store is: left out of `runs.config` when runs on a file and a lake are compared.
+STORE_KEYS = ("store", "lake_data_path")
 
 
 # ---- a private PostgreSQL cluster ------------------------------------------------------------------------
@@ -143,6 +145,12 @@ def run_rows(store, run_id: str, folder: str | Path) -> dict[str, list[tuple[str
             raise ValueError(f"table {table!r} has no run_id column: can't tell its rows by run")
         rows = store.rows(f'SELECT {", ".join(f"{chr(34)}{c}{chr(34)}" for c in cols)} FROM "{table}"'
                           " WHERE run_id = ?", [run_id])
+        if table == "runs":   # the config as run: where it was stored (a file, a lake) differs by design
+            for row in rows:
+                config = json.loads(row["config"])
+                for key in STORE_KEYS:
+                    config.get("run", {}).pop(key, None)
+                row["config"] = json.dumps(config)
         key = [c for c in KEYS.get(table, cols) if c in cols]
         out[table] = sorted((json.dumps([_normalise(row[c], str(folder)) for c in key], default=str),
                              json.dumps([_normalise(row[c], str(folder)) for c in cols], sort_keys=True, default=str))
