@@ -225,7 +225,7 @@ def test_store_locked_by_another_process(tmp_path, store_path, monkeypatch):
     """)], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "ready"
-        monkeypatch.setattr(Store.__init__, "__defaults__", (False, 0.3))  # wait 0.3 s for the lock, not 30
+        monkeypatch.setattr(Store.__init__, "__defaults__", (False, 0.3, None))  # wait 0.3 s for the lock, not 30
         for command in ("run", "status"):
             msg = rsiflow_error(run_args(tmp_path, command=command))
             assert f"store {store_path} is locked by process {holder.pid} (waited 0.3 s)" in msg
