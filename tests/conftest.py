@@ -102,15 +102,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+
+def wait_for_server(proc, url: str, log, timeout_s: float = 900) -> None:
+    """Wait until the `vllm serve` process `proc` (a Popen) answers GET `url`/models; fail the test with its log's
+    tail if it exits or doesn't answer within `timeout_s`."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/models", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"vllm serve did not answer within {timeout_s:g} s:\n{log.read_text()[-3000:]}")
+        time.sleep(2)
+
+
 @pytest.fixture(scope="session")
 def vllm_server(smollm2_path, tmp_path_factory):
     """A real `vllm serve` of SmolLM2 on a loopback port (started once per pytest run), with the dev endpoints
     rsiflow's `vllm_reload` redeploy uses. Yields its base URL (…/v1)."""
     import subprocess
     import sys
-    import time
-
-    import httpx
 
     python = vllm_python() or sys.executable
     port = _free_port()
@@ -127,19 +146,8 @@ def vllm_server(smollm2_path, tmp_path_factory):
                                  "--generation-config", "vllm", "--enforce-eager"],
                                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}/v1"
-    deadline = time.monotonic() + 900
     try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/models", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve did not answer within 900 s:\n{log.read_text()[-3000:]}")
-            time.sleep(2)
+        wait_for_server(proc, url, log)
         yield url
     finally:
         import contextlib

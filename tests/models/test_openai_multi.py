@@ -362,24 +362,13 @@ def _start_vllm(python: str, model, port: int, log_path) -> subprocess.Popen:
 def second_vllm_server(vllm_server, smollm2_path, tmp_path):
     """A second real `vllm serve` of SmolLM2 beside conftest's session one (which skips, saying why, where vLLM is
     not installed): yields (base URL, Popen); killed at the end."""
-    import httpx
-
-    from tests.conftest import vllm_python
+    from tests.conftest import vllm_python, wait_for_server
 
     port, log = _closed_port(), tmp_path / "serve-2.log"
     proc = _start_vllm(vllm_python() or sys.executable, smollm2_path, port, log)
     url = f"http://127.0.0.1:{port}/v1"
-    deadline = time.monotonic() + 900
     try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + "/models", timeout=5).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve did not answer within 900 s:\n{log.read_text()[-3000:]}")
-            time.sleep(2)
+        wait_for_server(proc, url, log)
         yield url, proc
     finally:
         with contextlib.suppress(ProcessLookupError):
