@@ -242,6 +242,22 @@ print(json.dumps({"me": me, "holder": lease["holder"]}))
 """
 
 
+def released_at_once(script: str, spec: str, go, names: list[str], settle_s: float) -> list[dict]:
+    """Start one .venv-lake process per name running `script` (argv: lake spec, go file, name), give them
+    `settle_s` seconds to attach the lake and wait for the go file, create it, and return each one's last stdout
+    line as JSON (each must exit 0)."""
+    procs = [subprocess.Popen([str(LAKE_PYTHON), "-c", script, spec, str(go), name], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV) for name in names]
+    time.sleep(settle_s)
+    go.touch()
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, stderr[-3000:]
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out
+
+
 @pytest.mark.slow
 @needs_lake
 def test_one_lease_holder_among_processes_racing(cluster, tmp_path):
@@ -252,17 +268,7 @@ def test_one_lease_holder_among_processes_racing(cluster, tmp_path):
     lake_python("import sys; from stores.store import Store; Store(sys.argv[1], lake_data_path=sys.argv[2]).close()",
                 spec, str(tmp_path / "data"))
     for attempt in range(2):
-        go = tmp_path / f"go-{attempt}"
-        procs = [subprocess.Popen([str(LAKE_PYTHON), "-c", RACE, spec, str(go), f"p{attempt}-{i}"], cwd=REPO,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env=ENV) for i in range(4)]
-        time.sleep(25)   # every process has attached the lake and waits for `go`
-        go.touch()
-        out = []
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=300)
-            assert p.returncode == 0, stderr[-3000:]
-            out.append(json.loads(stdout.strip().splitlines()[-1]))
+        out = released_at_once(RACE, spec, tmp_path / f"go-{attempt}", [f"p{attempt}-{i}" for i in range(4)], 25)
         holders = {o["holder"] for o in out}
         assert len(holders) == 1, out
         assert sum(o["holder"] == o["me"] for o in out) == 1, out
@@ -296,16 +302,7 @@ def test_a_step_written_twice_at_once_commits_one_whole_attempt(cluster, tmp_pat
     lake_python("import sys; from stores.store import Store; s = Store(sys.argv[1], lake_data_path=sys.argv[2])\n"
                 "with s.step('r', 1, 'generate') as tx: tx.insert('trajectories', [{'traj_id': 'old'}])",
                 spec, str(tmp_path / "data"))
-    go = tmp_path / "go"
-    procs = [subprocess.Popen([str(LAKE_PYTHON), "-c", RERUN, spec, str(go), me], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=ENV) for me in ("a", "b")]
-    time.sleep(20)
-    go.touch()
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=300)
-        assert p.returncode == 0, stderr[-3000:]
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    out = released_at_once(RERUN, spec, tmp_path / "go", ["a", "b"], 20)
     assert sum(o["retried"] for o in out) >= 1, out
     rows = json.loads(lake_python(
         "import json, sys; from stores.store import Store; s = Store(sys.argv[1], read_only=True)\n"
