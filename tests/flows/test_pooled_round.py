@@ -65,13 +65,19 @@ def test_a_step_run_gets_the_validated_config_with_shared_paths_absolute(tmp_pat
 
 
 def test_pooled_round_needs_a_server_the_workers_reach(tmp_path, monkeypatch):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     from flows.pooled import check_pools
 
+    # No API address anywhere: not in the environment, and not in Prefect's settings context either (the session's
+    # `prefect_api` harness sets one there when a slow test ran earlier in the same pytest process).
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
-    check_pools(load_config([TINY], tiny_overrides(tmp_path)))   # no pools: nothing to check
-    with pytest.raises(ConfigError, match=r"prefect.pools \(from --set prefect.pools=.*\) runs steps on work pools, "
-                                          r"which needs a Prefect server"):
-        check_pools(load_config([TINY], tiny_overrides(tmp_path, "prefect.pools={train: training}")))
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        assert not PREFECT_API_URL.value()
+        check_pools(load_config([TINY], tiny_overrides(tmp_path)))   # no pools: nothing to check
+        with pytest.raises(ConfigError, match=r"prefect.pools \(from --set prefect.pools=.*\) runs steps on work "
+                                              r"pools, which needs a Prefect server"):
+            check_pools(load_config([TINY], tiny_overrides(tmp_path, "prefect.pools={train: training}")))
 
 
 def _q(store, sql, *params):
