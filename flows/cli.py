@@ -126,7 +126,7 @@ def _open_run(cfg, read_only: bool = True):
     if store.get_run(cfg.run.name) is None:
         runs = [r["run_id"] for r in store.list_runs()]
         store.close()
-        raise ConfigError(f"no run {cfg.run.name!r} in {cfg.run.store} (runs there: {', '.join(runs) or 'none'}); "
+        raise ConfigError(f"no run {cfg.run.name!r} in {store.path} (runs there: {', '.join(runs) or 'none'}); "
                           f"run.name from {cfg.source_of('run.name')}")
     return store
 
@@ -152,6 +152,7 @@ def cmd_run(args) -> None:
     files, cfg = _load(args)
     from flows.lease import run_lease
     from flows.round import round_flow
+    from stores.lake import redact
     from stores.store import StoreError
     from tasks.common import open_store
     from tasks.setup import ensure_run
@@ -170,7 +171,7 @@ def cmd_run(args) -> None:
             start_temporary_prefect_server()   # once (it returns at once when running), when a round is to run
             round_flow(cfg, max(done, 0) + 1)(files, args.overrides)
             _print_report(cfg, read_only=False)
-    print(f"run {cfg.run.name!r}: {max(done, 0)} round(s) completed; store {cfg.run.store}")
+    print(f"run {cfg.run.name!r}: {max(done, 0)} round(s) completed; store {redact(cfg.run.store)}")
 
 
 def serve_deployments(files: list[str], overrides: list[str], cfg, cron: str | None) -> list:
@@ -341,7 +342,7 @@ def status_lines(store, run_id: str) -> list[str]:
 def cmd_status(args) -> None:
     files, cfg = _load(args)
     with _open_run(cfg) as store:
-        print(f"run {cfg.run.name!r}  store {cfg.run.store}")
+        print(f"run {cfg.run.name!r}  store {store.path}")   # a lake's password hidden
         print("\n".join(status_lines(store, cfg.run.name)))
 
 

@@ -72,8 +72,10 @@ def store_location(store: str | Path) -> str | Path:
 
 
 def redact(spec: str) -> str:
-    """The lake spec with any password=... hidden, for messages."""
-    return re.sub(r"(password\s*=\s*)(\S+)", r"\1***", spec)
+    """The store spec with its password hidden, for messages: libpq's `password=secret` or `password='a b'`, and
+    a URI's `//user:secret@host`."""
+    spec = re.sub(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", r"\1***", spec)
+    return re.sub(r"(://[^:/@\s]*:)[^@\s]*@", r"\1***@", spec)
 
 
 def extension_dir() -> Path | None:

@@ -41,6 +41,16 @@ def test_config_names_a_lake_with_its_data_folder(tmp_path):
         load_config([TINY], [f"run.lake_data_path={tmp_path}"])
 
 
+def test_messages_hide_the_catalog_password():
+    from stores.lake import redact
+
+    assert redact(f"{SPEC} user=rsiflow password=s3cret") == f"{SPEC} user=rsiflow password=***"
+    assert redact("ducklake:postgres:password = 'a b\\'c' dbname=x") == "ducklake:postgres:password = *** dbname=x"
+    assert redact("ducklake:postgres:postgresql://rsiflow:s3cret@db:5432/x") == \
+        "ducklake:postgres:postgresql://rsiflow:***@db:5432/x"
+    assert redact(SPEC) == SPEC and redact("runs/rsiflow.duckdb") == "runs/rsiflow.duckdb"
+
+
 @pytest.mark.skipif(extension_dir() is not None, reason="this interpreter's DuckDB has the lake extensions")
 def test_a_lake_without_the_extensions_says_what_to_run():
     """In .venv (DuckDB 2.0, no ducklake extension) opening a lake names the key and the fix, before any
