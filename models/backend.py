@@ -76,6 +76,13 @@ class GenerationBackend(Protocol):
         """Redeploy: serve `model_path` from now on. Returns what was done (kind, action, path, seconds)."""
         ...
 
+    @classmethod
+    def must_redeploy(cls) -> bool:
+        """Whether a redeploy from this process has something to switch: a model this process holds (hf), an
+        engine it started (vllm), or servers elsewhere (openai: always). False in a fresh process (a deploy step on
+        a pool worker, or resumed after a kill), where the next step that generates loads the champion anyway."""
+        ...
+
 
 def backend_class(kind: str) -> type:
     """The class registered for `kind`; ValueError naming the known kinds otherwise."""

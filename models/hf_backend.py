@@ -98,6 +98,11 @@ class HFBackend:
         later pipeline steps); see `get_backend`."""
         return get_backend(model_path, dtype=dtype, trust_remote_code=trust_remote_code, **options)
 
+    @classmethod
+    def must_redeploy(cls) -> bool:
+        """Whether this process holds a loaded HFBackend (see GenerationBackend.must_redeploy)."""
+        return bool(_BACKENDS)
+
     def serve(self, model_path: str | Path) -> dict:
         """Redeploy in this process: load `model_path`'s weights into this backend (nothing to do when it
         already serves them). Returns {kind, action, path, seconds}."""

@@ -152,6 +152,11 @@ class OpenAIBackend:
              **options) -> OpenAIBackend:
         return cls(str(model_path), dtype=dtype, trust_remote_code=trust_remote_code, **options)
 
+    @classmethod
+    def must_redeploy(cls) -> bool:
+        """Always: the servers keep serving what they were last switched to, whichever process switched them."""
+        return True
+
     # -- transport -------------------------------------------------------------------------------------
     def _request(self, url: str, method: str, path: str, body: dict | None = None, *, root: bool = False,
                  tries: int | None = None, timeout: float | None = None):

@@ -241,6 +241,11 @@ class VLLMBackend:
         """A backend on the process's engine serving `model_path` (the engine is started once and kept)."""
         return cls(str(model_path), dtype=dtype, trust_remote_code=trust_remote_code, **options)
 
+    @classmethod
+    def must_redeploy(cls) -> bool:
+        """Whether this process has started an engine (see GenerationBackend.must_redeploy)."""
+        return _ENGINE is not None
+
     # -- weights ---------------------------------------------------------------------------------------
     def _switch(self, model_path: str, force_restart: bool = False) -> str:
         """Make the shared engine serve `model_path`; returns what was done."""

@@ -19,7 +19,7 @@ from prefect.cache_policies import NONE
 
 from configs.schema import Config
 from models.card import update_model_card
-from tasks.common import backend_for, open_store, run_dir, serving_champion, utcnow
+from tasks.common import open_store, redeploy_backend, run_dir, serving_champion, utcnow
 from tasks.report import heldout_line, png_data_uri, round_rows, round_table, write_report
 from tasks.train import candidate_id
 
@@ -69,8 +69,7 @@ def redeploy(cfg: Config, round: int) -> dict:
         previous_path = store.model_path(previous)
         candidate_path = store.model_path(cid) if store.has_model(cid) else None
         expired = store.expired_checkpoints(run_id, cfg.train.keep_candidates)
-    # Redeploy: the backend that served this round's champion serves the new one from now on.
-    record = backend_for(cfg, previous_path).serve(path)
+    record = redeploy_backend(cfg, previous_path, path)
     if candidate_path and served and Path(candidate_path, "README.md").is_file():
         update_model_card(candidate_path, gate=gate_facts(served[-1]))
     deleted, elsewhere = expire_checkpoints(cfg, round, expired)

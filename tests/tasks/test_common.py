@@ -4,7 +4,7 @@ the prompt setup (prefix and tools) used for generation and training alike."""
 import pytest
 
 from configs.schema import load_config
-from tests.conftest import TINY
+from tests.conftest import TINY, tiny_overrides
 
 
 def spy_on_loader(monkeypatch, module) -> dict:
@@ -83,3 +83,26 @@ def test_temperature_only_logprobs_are_asked_for_only_when_a_method_reads_them()
     asked, not_asked = SamplingParams(temp_logprobs=True), SamplingParams(temp_logprobs=False)
     assert wants_scoring("auto", asked) and not wants_scoring("auto", not_asked)
     assert wants_scoring(True, not_asked) and not wants_scoring(False, asked)
+
+
+def test_redeploy_loads_nothing_in_a_process_that_holds_no_model(tiny_path, model_cache, tmp_path):
+    """A deploy step in a fresh process (a pool worker, a resume after a kill) records the switch without loading
+    the previous champion only to replace its weights; where a model is held, that one is switched."""
+    from models.hf_backend import HFBackend, clear_backends
+    from models.loading import resolve_base_model
+    from tasks.common import backend_for, redeploy_backend
+
+    cfg = load_config([TINY], tiny_overrides(tmp_path))
+    other = resolve_base_model("tiny:1", model_cache)
+    clear_backends()
+    try:
+        assert not HFBackend.must_redeploy()
+        record = redeploy_backend(cfg, str(tiny_path), str(other))
+        assert record == {"kind": "hf", "action": "nothing loaded in this process: the next step loads it",
+                          "path": str(other), "seconds": 0.0}
+        assert not HFBackend.must_redeploy()
+        held = backend_for(cfg, str(tiny_path))
+        assert redeploy_backend(cfg, str(tiny_path), str(other))["action"] == "reloaded weights in process"
+        assert held.model_path == str(other)
+    finally:
+        clear_backends()
