@@ -154,8 +154,13 @@ KEYS = {"runs": ("run_id",), "rounds": ("run_id", "round"), "steps": ("run_id", 
 
 
 def _normalise(value, folder: str):
-    """A cell with time-dependent JSON keys dropped, the run's folder replaced by <dir>, 4.0 written as 4."""
+    """A cell with time-dependent JSON keys dropped, the run's folder replaced by <dir>, 4.0 written as 4. A
+    redeploy record's `action` is dropped too: what the deploying process did depends on which process ran the
+    step (one holding the model switches its weights, a fresh one, resumed or on a pool, loads nothing), not on
+    the run; its kind and path stay."""
     if isinstance(value, dict):
+        if isinstance(value.get("redeploy"), dict):
+            value = {**value, "redeploy": {k: v for k, v in value["redeploy"].items() if k != "action"}}
         return {k: _normalise(v, folder) for k, v in sorted(value.items()) if not TIME_DEPENDENT.search(k)}
     if isinstance(value, list):
         return [_normalise(v, folder) for v in value]

@@ -19,3 +19,13 @@ def test_time_dependent_keys_and_folders_are_normalised():
     assert not any(TIME_DEPENDENT.search(k) for k in ("p_s", "success", "seed", "loss"))
     cell = '{"loss": 0.5, "train_runtime": 3.2, "path": "/tmp/x/runs/m", "steps": [{"wall_s": 1, "n": 4.0}]}'
     assert _normalise(cell, "/tmp/x") == {"loss": 0.5, "path": "<dir>/runs/m", "steps": [{"n": 4}]}
+
+
+def test_a_redeploy_record_compares_by_kind_and_path_not_by_what_the_process_did():
+    held = {"redeploy": {"kind": "hf", "action": "reloaded weights in process", "path": "/tmp/x/m2", "seconds": 1.5}}
+    fresh = {"redeploy": {"kind": "hf", "action": "nothing loaded in this process: the next step loads it",
+                          "path": "/tmp/x/m2", "seconds": 0.0}}
+    assert _normalise(held, "/tmp/x") == _normalise(fresh, "/tmp/x") == {"redeploy": {"kind": "hf", "path": "<dir>/m2"}}
+    assert _normalise({"action": "kept elsewhere"}, "/tmp/x") == {"action": "kept elsewhere"}
+    other = {"redeploy": {**held["redeploy"], "path": "/tmp/x/m3"}}
+    assert _normalise(other, "/tmp/x") != _normalise(held, "/tmp/x")
