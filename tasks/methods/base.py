@@ -80,6 +80,26 @@ def num(value, spec: str) -> str:
     return format(value, spec) if value is not None else "-"
 
 
+def distill_row(example: dict, pair: dict) -> dict:
+    """The "distill" training row of `example` (a privileged-teacher example whose meta names its pair): the
+    pair's student and teacher conversations, scored on the student's sampled tokens with their sampling logprobs
+    (the trainer SRD, X-Tree's context and RSIPO share)."""
+    return {"kind": "distill", "example_id": example["example_id"], "weight": example["weight"],
+            "train_from": pair["train_from"], "student": pair["student_messages"], "teacher": pair["teacher_messages"],
+            "completion_ids": pair["completion_ids"], "sampling_logprobs": pair["sampling_logprobs"],
+            "tools": example["meta"].get("tools")}
+
+
+def teacher_loss(cfg, loss_weight: float, **extra):
+    """models.trainer.DistillLoss with this method's `loss_weight` and the divergence settings of distill.srd (one
+    set for every privileged-teacher term: SRD, X-Tree's context, RSIPO)."""
+    from models.trainer import DistillLoss
+
+    s = cfg.distill.srd
+    return DistillLoss(loss_weight=loss_weight, divergence=s.divergence, beta=s.beta, top_k=s.top_k,
+                       is_clip=s.is_clip, ema_rate=s.ema_rate, **extra)
+
+
 class Method:
     """One method's contributions to a round. Subclass it, set `name` (and `tables` if it writes its
     own), implement `distill`; override the rest where the defaults don't fit."""

@@ -54,7 +54,7 @@ from tasks.common import (
     round_seed,
     sampling,
 )
-from tasks.methods.base import Contribution, DistillContext, Method, num
+from tasks.methods.base import Contribution, DistillContext, Method, distill_row, num, teacher_loss
 
 log = logging.getLogger(__name__)
 
@@ -432,11 +432,7 @@ class RSIPO(Method):
         rows = []
         for e in examples:
             if e["meta"]["kind"] == "distill":
-                f = pairs[e["meta"]["foresight_id"]]
-                rows.append({"kind": "distill", "example_id": e["example_id"], "weight": e["weight"],
-                             "train_from": f["train_from"], "student": f["student_messages"],
-                             "teacher": f["teacher_messages"], "completion_ids": f["completion_ids"],
-                             "sampling_logprobs": f["sampling_logprobs"], "tools": e["meta"].get("tools")})
+                rows.append(distill_row(e, pairs[e["meta"]["foresight_id"]]))
             else:
                 s = skills[e["meta"]["skill_id"]]
                 rows.append({"kind": "pg", "example_id": e["example_id"], "weight": e["weight"],
@@ -447,11 +443,7 @@ class RSIPO(Method):
         return rows
 
     def distill_loss(self):
-        from models.trainer import DistillLoss
-
-        s = self.cfg.distill.srd
-        return DistillLoss(loss_weight=self.cfg.distill.rsipo.loss_weight, divergence=s.divergence, beta=s.beta,
-                           top_k=s.top_k, is_clip=s.is_clip, ema_rate=s.ema_rate, normalise="rows")
+        return teacher_loss(self.cfg, self.cfg.distill.rsipo.loss_weight, normalise="rows")
 
     @classmethod
     def round_metrics(cls, distill_metrics: dict | None, train_metrics: dict) -> dict | None:

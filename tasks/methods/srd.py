@@ -33,7 +33,7 @@ from methods.srd import (
 )
 from models.backend import SamplingParams
 from tasks.common import env_factory, round_seed
-from tasks.methods.base import Contribution, DistillContext, Method, num
+from tasks.methods.base import Contribution, DistillContext, Method, distill_row, num, teacher_loss
 
 log = logging.getLogger(__name__)
 
@@ -238,21 +238,10 @@ class SRD(Method):
         """Each SRD example is a "distill" row: its pair's student and teacher conversations, the student's
         sampled completion ids and their sampling logprobs."""
         pairs = store.foresight_pairs(run_id, round)
-        rows = []
-        for e in examples:
-            f = pairs[e["meta"]["foresight_id"]]
-            rows.append({"kind": "distill", "example_id": e["example_id"], "weight": e["weight"],
-                         "train_from": f["train_from"], "student": f["student_messages"],
-                         "teacher": f["teacher_messages"], "completion_ids": f["completion_ids"],
-                         "sampling_logprobs": f["sampling_logprobs"], "tools": e["meta"].get("tools")})
-        return rows
+        return [distill_row(e, pairs[e["meta"]["foresight_id"]]) for e in examples]
 
     def distill_loss(self):
-        from models.trainer import DistillLoss
-
-        c = self.cfg.distill.srd
-        return DistillLoss(loss_weight=c.loss_weight, divergence=c.divergence, beta=c.beta, top_k=c.top_k,
-                           is_clip=c.is_clip, ema_rate=c.ema_rate)
+        return teacher_loss(self.cfg, self.cfg.distill.srd.loss_weight)
 
     @classmethod
     def round_metrics(cls, distill_metrics: dict | None, train_metrics: dict) -> dict | None:

@@ -26,7 +26,7 @@ from statistics import mean
 from configs.schema import ConfigError
 from methods.srd import with_privileged
 from methods.xtree import MineParams, Trace, Tree, mine, online_bonus, render, turn_weights, weight_runs
-from tasks.methods.base import Contribution, DistillContext, Method, num
+from tasks.methods.base import Contribution, DistillContext, Method, distill_row, num, teacher_loss
 
 log = logging.getLogger(__name__)
 
@@ -200,23 +200,12 @@ class XTree(Method):
         """Each context example is a "distill" row: the rollout's conversation as the student, the same with the
         rendered tree as the teacher, scored on the rollout's own actions."""
         pairs = store.foresight_pairs(run_id, round)
-        rows = []
-        for e in examples:
-            f = pairs[e["meta"]["foresight_id"]]
-            rows.append({"kind": "distill", "example_id": e["example_id"], "weight": e["weight"],
-                         "train_from": f["train_from"], "student": f["student_messages"],
-                         "teacher": f["teacher_messages"], "completion_ids": f["completion_ids"],
-                         "sampling_logprobs": f["sampling_logprobs"], "tools": e["meta"].get("tools")})
-        return rows
+        return [distill_row(e, pairs[e["meta"]["foresight_id"]]) for e in examples]
 
     def distill_loss(self):
         if not self.cfg.distill.xtree.context:
             return None
-        from models.trainer import DistillLoss
-
-        s = self.cfg.distill.srd
-        return DistillLoss(loss_weight=self.cfg.distill.xtree.context_loss_weight, divergence=s.divergence,
-                           beta=s.beta, top_k=s.top_k, is_clip=s.is_clip, ema_rate=s.ema_rate)
+        return teacher_loss(self.cfg, self.cfg.distill.xtree.context_loss_weight)
 
     @classmethod
     def round_metrics(cls, distill_metrics: dict | None, train_metrics: dict) -> dict | None:
