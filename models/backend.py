@@ -43,6 +43,11 @@ class SamplingParams:
     # only when this is set; hf computes them always.
     temp_logprobs: bool = True
 
+    def check(self) -> None:
+        """ValueError unless temperature >= 0, 0 < top_p <= 1 and max_new_tokens >= 1 (every backend's first step)."""
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_new_tokens < 1:
+            raise ValueError(f"invalid sampling params {self}")
+
 
 @dataclass
 class Generation:

@@ -148,8 +148,7 @@ class HFBackend:
                  tools: list[dict] | None = None) -> list[Generation]:
         if not conversations:
             return []
-        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.max_new_tokens < 1:
-            raise ValueError(f"invalid sampling params {params}")
+        params.check()
         texts = self.tokenizer.apply_chat_template(conversations, tools=tools, add_generation_prompt=True,
                                                    tokenize=False)
         prompts = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]

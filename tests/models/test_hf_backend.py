@@ -157,6 +157,12 @@ def test_empty_request_list(backend):
     assert backend.generate([], GREEDY) == []
 
 
+@pytest.mark.parametrize("bad", [{"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5}, {"max_new_tokens": 0}])
+def test_invalid_sampling_params_are_refused(backend, bad):
+    with pytest.raises(ValueError, match="invalid sampling params"):
+        backend.generate(CONVERSATIONS[:1], SamplingParams(**bad))
+
+
 def test_serve_redeploys_the_new_checkpoint_and_says_what_it_did(tiny_path, model_cache):
     backend = HFBackend(tiny_path)
     before = backend.generate(CONVERSATIONS[:2], GREEDY)
