@@ -197,16 +197,22 @@ def merge_runs(out: Path, sources: list[Path]) -> list[str]:
         return con.execute(f"SELECT coalesce(max(round), -1) FROM {db}.rounds"
                            " WHERE run_id = ? AND status = 'completed'", [run_id]).fetchall()[0][0]
 
+    def run_tables(db: str) -> set[str]:
+        """The tables of the attached database `db` that hold rows per run (a `run_id` column)."""
+        return {t for (t,) in con.execute(
+            "SELECT DISTINCT table_name FROM information_schema.columns WHERE table_catalog = ?"
+            " AND table_schema = 'main' AND column_name = 'run_id'", [db]).fetchall()}
+
     try:
-        tables = [t for (t,) in con.execute(
-            "SELECT DISTINCT table_name FROM information_schema.columns WHERE table_catalog = current_database()"
-            " AND table_schema = 'main' AND column_name = 'run_id'").fetchall()]
+        tables = sorted(run_tables(con.execute("SELECT current_database()").fetchall()[0][0]))
         for i, src in enumerate(sources):
             path = Path(src) / "compare.duckdb" if Path(src).is_dir() else Path(src)
             if not path.is_file():
                 raise FileNotFoundError(f"--merge {src}: no comparison store at {path}")
             alias = f"src{i}"
             con.execute(f"ATTACH '{path}' AS {alias} (READ_ONLY)")
+            # A store written by older code lacks the tables of later migrations: its runs have no rows there.
+            has = run_tables(alias)
             for (run_id,) in con.execute(f"SELECT run_id FROM {alias}.runs ORDER BY run_id").fetchall():
                 exists = con.execute("SELECT count(*) FROM main.runs WHERE run_id = ?", [run_id]).fetchall()[0][0]
                 if exists and done("main", run_id) >= done(alias, run_id):
@@ -214,8 +220,9 @@ def merge_runs(out: Path, sources: list[Path]) -> list[str]:
                 con.begin()
                 for t in tables:
                     con.execute(f'DELETE FROM main."{t}" WHERE run_id = ?', [run_id])
-                    con.execute(f'INSERT INTO main."{t}" BY NAME SELECT * FROM {alias}."{t}" WHERE run_id = ?',
-                                [run_id])
+                    if t in has:
+                        con.execute(f'INSERT INTO main."{t}" BY NAME SELECT * FROM {alias}."{t}" WHERE run_id = ?',
+                                    [run_id])
                 con.commit()
                 copied.append(run_id)
             con.execute(f"DETACH {alias}")

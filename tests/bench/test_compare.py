@@ -26,6 +26,28 @@ def test_arm_overrides_keep_brackets_and_quotes_together():
         parse_arm("x:train.epochs")
 
 
+def test_merge_copies_runs_of_a_store_older_code_wrote(tmp_path):
+    """A store written before a later migration lacks that migration's tables: its runs merge, with no rows
+    there; merging again copies nothing; a run with more completed rounds replaces the copy."""
+    from bench.compare import merge_runs
+    from stores.store import Store
+
+    src = tmp_path / "old" / "compare.duckdb"
+    src.parent.mkdir()
+    with Store(src) as s:
+        s.create_run("a-s0", "a-s0", {"x": 1}, "base")
+        s.start_round("a-s0", 1, "base")
+        s.finish_round("a-s0", 1, "base", {"m": 1})
+    con = duckdb.connect(str(src))
+    con.execute("DROP TABLE mass_verdicts")   # as if written before MASS's migration
+    con.close()
+    assert merge_runs(tmp_path / "merged", [src.parent]) == ["a-s0"]
+    assert merge_runs(tmp_path / "merged", [src.parent]) == []
+    with Store(tmp_path / "merged" / "compare.duckdb", read_only=True) as m:
+        assert [r["round"] for r in m.rows("SELECT round FROM rounds WHERE status = 'completed'")] == [1]
+        assert m.rows("SELECT count(*) AS n FROM mass_verdicts")[0]["n"] == 0
+
+
 def _h(k, n):
     return {"successes": k, "n": n, "success_rate": k / n}
 
