@@ -49,10 +49,12 @@ def backend_for(cfg: Config, model_path: str):
 def redeploy_backend(cfg: Config, previous_path: str, path: str) -> dict:
     """Redeploy: the backend that served `previous_path` serves `path` from now on; what was done (kind, action,
     path, seconds). In a process that holds no model of this kind (a deploy step on a pool worker, a deploy
-    resumed after a kill) nothing is loaded just to be switched: the next step that generates loads `path`."""
+    resumed after a kill) nothing is loaded just to be switched: the next step that generates loads `path`. A
+    backend class without `must_redeploy` is always opened and switched."""
     from models.backend import backend_class
 
-    if not backend_class(cfg.backend.kind).must_redeploy():
+    must = getattr(backend_class(cfg.backend.kind), "must_redeploy", None)   # optional for a backend
+    if must is not None and not must():
         return {"kind": cfg.backend.kind, "action": "nothing loaded in this process: the next step loads it",
                 "path": str(path), "seconds": 0.0}
     return backend_for(cfg, previous_path).serve(path)

@@ -106,3 +106,17 @@ def test_redeploy_loads_nothing_in_a_process_that_holds_no_model(tiny_path, mode
         assert held.model_path == str(other)
     finally:
         clear_backends()
+
+
+def test_a_backend_without_must_redeploy_is_always_opened_and_switched(monkeypatch, tmp_path):
+    from tasks.common import redeploy_backend
+
+    class Plain:   # a user's backend with only open/generate/serve
+        def serve(self, path):
+            return {"kind": "plain", "action": "switched", "path": path, "seconds": 0.0}
+
+    monkeypatch.setattr("models.backend.backend_class", lambda kind: Plain)
+    monkeypatch.setattr("tasks.common.backend_for", lambda cfg, path: Plain())
+    cfg = load_config([TINY], tiny_overrides(tmp_path))
+    assert redeploy_backend(cfg, "old", "new") == {"kind": "plain", "action": "switched", "path": "new",
+                                                   "seconds": 0.0}
