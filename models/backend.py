@@ -83,9 +83,10 @@ class GenerationBackend(Protocol):
 
     @classmethod
     def must_redeploy(cls) -> bool:
-        """Whether a redeploy from this process has something to switch: a model this process holds (hf), an
-        engine it started (vllm), or servers elsewhere (openai: always). False in a fresh process (a deploy step on
-        a pool worker, or resumed after a kill), where the next step that generates loads the champion anyway."""
+        """Optional. Whether a redeploy from this process has something to switch: a model this process holds (hf),
+        an engine it started (vllm), or servers elsewhere (openai: always). False in a fresh process (a deploy step
+        on a pool worker, or resumed after a kill), where the next step that generates loads the champion anyway.
+        A backend without it is always opened and switched (tasks.common.redeploy_backend)."""
         ...
 
 
