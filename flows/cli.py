@@ -22,6 +22,8 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
+from models.backend import interrupt_calls_in_flight
+
 
 def _prefect_env() -> None:
     # The first ephemeral run otherwise prints a telemetry "database is locked" traceback.
@@ -37,7 +39,12 @@ class Terminated(KeyboardInterrupt):
     progress keeps nothing (a step writes in one transaction at its end, rolled back if it was writing)."""
 
 
-def _raise_terminated(signum, frame) -> None:
+def _stop(signum, frame) -> None:
+    """Ctrl-C (SIGINT) or SIGTERM: first end the generate calls in flight (a step's thread may be waiting on one,
+    and Prefect waits for that thread: a vLLM turn took up to a minute here), then unwind the main thread."""
+    interrupt_calls_in_flight()
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     raise Terminated(signal.Signals(signum).name)
 
 
@@ -393,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
     from flows.lease import RunBusyError
     from stores.store import StoreError
 
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         args.func(args)
     except KeyboardInterrupt as e:   # Ctrl-C, or SIGTERM (Terminated)
@@ -414,7 +421,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"rsiflow {args.command}: {e}; the steps before it are kept and the same command resumes from "
                  "it (its traceback is in the log above; rsiflow --debug re-raises)")
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,12 @@ logprobs (log-probabilities of the sampled tokens under the distribution actuall
 i.e. after temperature/top-p), their logprobs after temperature only (`temp_logprobs`, no
 truncation: what a trainer recomputes) and a finish reason.
 
+Stopping (Ctrl-C, SIGTERM): the CLI's signal handler calls `interrupt_calls_in_flight()` before the stop unwinds,
+because Prefect waits for a step's thread, and that thread may be inside a long generate call. A call started
+before it ends early with `Interrupted`: hf checks between decoding steps, vllm's engine process is killed (its
+hook, `on_interrupt`), openai sends no further request. A backend checks with `interrupted_since(start)`, `start`
+being `interrupts()` read when the call began (calls started afterwards run as usual).
+
 Redeploy is part of the protocol: `serve(model_path)` makes a backend serve another checkpoint
 from then on (the `hf` backend reloads the weights in its process) and returns a record of what
 it did, which the deploy step stores with the round.
@@ -18,6 +24,7 @@ own section of the config (`backend.<kind>`, configs/schema.py).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import import_module
@@ -29,6 +36,45 @@ BACKENDS: dict[str, str] = {
     "vllm": "models.vllm_backend:VLLMBackend",
     "openai": "models.openai_backend:OpenAIBackend",
 }
+
+
+class Interrupted(RuntimeError):
+    """A generate call ended early: rsiflow is stopping (Ctrl-C or SIGTERM; `interrupt_calls_in_flight`)."""
+
+
+_INTERRUPTS = [0]  # how many times rsiflow was told to stop (a list: bumped from a signal handler)
+_ON_INTERRUPT: list[Callable[[], None]] = []
+
+
+def interrupts() -> int:
+    """The interrupt count now; a call reads it when it starts and passes it to `interrupted_since`."""
+    return _INTERRUPTS[0]
+
+
+def interrupted_since(start: int) -> bool:
+    """Whether rsiflow was told to stop after the call that read `start` began."""
+    return _INTERRUPTS[0] != start
+
+
+def raise_if_interrupted(start: int, backend: str) -> None:
+    if interrupted_since(start):
+        raise Interrupted(f"{backend} generate call stopped: rsiflow is stopping (Ctrl-C or SIGTERM)")
+
+
+def on_interrupt(hook: Callable[[], None]) -> Callable[[], None]:
+    """Register `hook` (a backend's way to end its calls in flight at once, e.g. kill an engine process); run by
+    `interrupt_calls_in_flight` in the main thread, from a signal handler: it must be quick and not block."""
+    _ON_INTERRUPT.append(hook)
+    return hook
+
+
+def interrupt_calls_in_flight() -> None:
+    """End every generate call in flight in this process (they raise `Interrupted`): Ctrl-C or SIGTERM is stopping
+    rsiflow, and a step's thread waiting on a call would otherwise hold the exit until the call ends."""
+    _INTERRUPTS[0] += 1
+    for hook in list(_ON_INTERRUPT):
+        with contextlib.suppress(Exception):
+            hook()
 
 
 @dataclass(frozen=True)

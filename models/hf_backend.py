@@ -45,11 +45,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import (
+    DynamicCache,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 from transformers.cache_utils import DynamicLayer
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-from models.backend import Generation, SamplingParams, finish_row
+from models.backend import Generation, SamplingParams, finish_row, interrupted_since, interrupts, raise_if_interrupted
 from models.loading import load_model_and_tokenizer
 
 # SmolLM2-135M on the 2-core CPU, 268-token prompts, 16 new tokens, generated tok/s on an idle machine:
@@ -149,6 +156,7 @@ class HFBackend:
         if not conversations:
             return []
         params.check()
+        start_count = interrupts()
         texts = self.tokenizer.apply_chat_template(conversations, tools=tools, add_generation_prompt=True,
                                                    tokenize=False)
         prompts = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
@@ -170,11 +178,11 @@ class HFBackend:
                 chunk = order[start:start + self.max_batch_size]
                 if self.kv_reuse:
                     generations = self._generate_chunk_reusing(
-                        [prompts[i] for i in chunk], [matches[i] for i in chunk], params, new_store)
+                        [prompts[i] for i in chunk], [matches[i] for i in chunk], params, new_store, start_count)
                     for i in chunk:
                         matches[i] = None
                 else:
-                    generations = self._generate_chunk([prompts[i] for i in chunk], params)
+                    generations = self._generate_chunk([prompts[i] for i in chunk], params, start_count)
                 for i, generation in zip(chunk, generations):
                     results[i] = generation
         if self.kv_reuse:
@@ -226,8 +234,10 @@ class HFBackend:
         return [(shared, lcp) if c < lcp else (e, c) for e, c in matches]
 
     def _generate_chunk_reusing(self, prompts: list[list[int]], matches: list[tuple[_KVEntry | None, int]],
-                                params: SamplingParams, new_store: list[_KVEntry]) -> list[Generation]:
-        """Prefill each row's uncached tokens after its reused keys/values, then decode token by token.
+                                params: SamplingParams, new_store: list[_KVEntry],
+                                start_count: int) -> list[Generation]:
+        """Prefill each row's uncached tokens after its reused keys/values, then decode token by token
+        (`Interrupted` between two tokens once rsiflow is stopping: `start_count` as in models.backend).
 
         Row i (c cached, n new tokens) is laid out as [pad x (C-c)] [cached] [pad x (N-n)] [new]; pads are
         masked, and position ids count only real tokens, so each row sees exactly its own sequence.
@@ -271,6 +281,7 @@ class HFBackend:
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,
                          use_cache=True, logits_to_keep=1)
         for step in range(params.max_new_tokens):
+            raise_if_interrupted(start_count, "hf")
             logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
             del out
             scores = warpers(None, logits)
@@ -327,7 +338,7 @@ class HFBackend:
         ])
         return _KVEntry(ids=np.asarray(ids, dtype=np.int64), kv=kv)
 
-    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, start_count: int) -> list[Generation]:
         pad = self.tokenizer.pad_token_id
         width = max(len(p) for p in prompts)
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
@@ -351,7 +362,9 @@ class HFBackend:
             generation_config=config,
             logits_processor=processors,
             tokenizer=self.tokenizer,
+            stopping_criteria=StoppingCriteriaList([_StopWhenInterrupted(start_count)]),
         )
+        raise_if_interrupted(start_count, "hf")
         logprobs, temp_logprobs = recorder.finish(sequences), temp_recorder.finish(sequences)
         new_tokens = sequences[:, width:].tolist()
         return [
@@ -366,6 +379,17 @@ class HFBackend:
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+class _StopWhenInterrupted(StoppingCriteria):
+    """Ends `model.generate` at the next token once rsiflow is stopping (the caller then raises `Interrupted`)."""
+
+    def __init__(self, start_count: int):
+        self.start_count = start_count
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), interrupted_since(self.start_count), dtype=torch.bool,
+                          device=input_ids.device)
 
 
 def _warpers(params: SamplingParams, top_p: bool = True) -> LogitsProcessorList:

@@ -52,7 +52,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from models.backend import Generation, SamplingParams, finish_row, wants_scoring
+from models.backend import Generation, SamplingParams, finish_row, interrupts, raise_if_interrupted, wants_scoring
 
 DEFAULT_URL = "http://127.0.0.1:8000/v1"
 # Per process, shared by every OpenAIBackend (a deploy step's backend and the next step's see the same servers):
@@ -318,8 +318,10 @@ class OpenAIBackend:
         exact = params.temperature == 0 or params.top_p >= 1.0
         score = not exact and params.temperature == 1.0 and wants_scoring(self.score_temp_logprobs, params)
         workers = min(self.max_concurrency * len(self.base_urls), len(prompts))
+        start_count = interrupts()
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            return list(pool.map(lambda i: self._row(prompts[i], params, i, exact, score), range(len(prompts))))
+            return list(pool.map(lambda i: self._row(prompts[i], params, i, exact, score, start_count),
+                                 range(len(prompts))))
 
     def _acquire(self) -> str:
         """A live server serving this backend's checkpoint with a free slot: the fewest in flight, ties in turn.
@@ -343,9 +345,12 @@ class OpenAIBackend:
             self._load[url] -= 1
             self._slots.notify()
 
-    def _row(self, prompt: list[int], params: SamplingParams, i: int, exact: bool, score: bool) -> Generation:
-        """Row i on some live server; again on another one if that server goes down meanwhile."""
+    def _row(self, prompt: list[int], params: SamplingParams, i: int, exact: bool, score: bool,
+             start_count: int) -> Generation:
+        """Row i on some live server; again on another one if that server goes down meanwhile. Once rsiflow is
+        stopping (models.backend) no request is sent: the call ends when the requests already sent come back."""
         while True:
+            raise_if_interrupted(start_count, "openai")
             url = self._acquire()
             try:
                 gen = self._one(url, prompt, params, i, exact, score)

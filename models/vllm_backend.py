@@ -42,7 +42,16 @@ import time
 from multiprocessing.connection import Client
 from pathlib import Path
 
-from models.backend import Generation, SamplingParams, finish_row, wants_scoring
+from models.backend import (
+    Generation,
+    Interrupted,
+    SamplingParams,
+    finish_row,
+    interrupted_since,
+    interrupts,
+    on_interrupt,
+    wants_scoring,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
@@ -108,16 +117,30 @@ class _EngineProcess:
         return ""
 
     def call(self, op: str, **kwargs):
+        start = interrupts()
         try:
             with self._busy:
                 self.conn.send_bytes(json.dumps({"op": op, **kwargs}).encode())
                 reply = json.loads(self.conn.recv_bytes())
         except (EOFError, OSError) as exc:
+            if interrupted_since(start):
+                raise Interrupted(f"vllm {op} call stopped: rsiflow is stopping (Ctrl-C or SIGTERM); the engine "
+                                  f"process was killed") from exc
             raise RuntimeError(f"the vLLM engine process died ({exc!r}); last lines of {self.log_path}:\n"
                                f"{self.log_tail()}") from exc
         if not reply["ok"]:
             raise RuntimeError(f"vLLM engine: {reply['error']}")
         return reply.get("result")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def interrupt(self) -> None:
+        """Kill the engine's process group if a request is in flight (rsiflow is stopping): the thread waiting for
+        it gets `Interrupted` at once. Called from a signal handler: no lock taken, nothing waited for."""
+        if self._busy.locked():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
 
     def close(self) -> None:
         """Stop the engine, then kill whatever is left of its process group (vLLM's engine-core and workers).
@@ -155,6 +178,12 @@ class _EngineInProcess:
     def call(self, op: str, **kwargs):
         return getattr(self.engine, op)(**kwargs)
 
+    def alive(self) -> bool:
+        return True
+
+    def interrupt(self) -> None:
+        """Nothing to do: a call of an in-process engine can't be cut short; the stop waits for it."""
+
     def close(self) -> None:
         del self.engine
 
@@ -185,6 +214,13 @@ def shutdown_engine() -> None:
 
 
 atexit.register(shutdown_engine)
+
+
+@on_interrupt
+def _interrupt_engine() -> None:
+    """rsiflow is stopping: end the engine's call in flight now (models.backend.interrupt_calls_in_flight)."""
+    if _ENGINE is not None:
+        _ENGINE.handle.interrupt()
 
 
 def reload_compatible(old_path: str, new_path: str) -> bool:
@@ -229,8 +265,8 @@ class VLLMBackend:
             gen_eos = GenerationConfig.from_pretrained(self.model_path).eos_token_id
             eos |= set(gen_eos) if isinstance(gen_eos, list) else {gen_eos}
         self._eos_ids = {e for e in eos if e is not None}
-        if _ENGINE is not None and _ENGINE.key != self.key:
-            shutdown_engine()  # other engine options: one engine per process
+        if _ENGINE is not None and (_ENGINE.key != self.key or not _ENGINE.handle.alive()):
+            shutdown_engine()  # other engine options (one engine per process), or its process died
         if _ENGINE is None:
             _ENGINE = _start_engine(self.model_path, self.key, self.python, self.engine_options, start_timeout)
         self.start_seconds = (_ENGINE.handle.call("info") or {}).get("start_seconds")
@@ -248,9 +284,10 @@ class VLLMBackend:
 
     # -- weights ---------------------------------------------------------------------------------------
     def _switch(self, model_path: str, force_restart: bool = False) -> str:
-        """Make the shared engine serve `model_path`; returns what was done."""
+        """Make the shared engine serve `model_path`; returns what was done. An engine process that died (a crash,
+        or killed by an interrupt) is replaced by a new one."""
         global _ENGINE
-        if _ENGINE is None or _ENGINE.key != self.key:
+        if _ENGINE is None or _ENGINE.key != self.key or not _ENGINE.handle.alive():
             shutdown_engine()
             _ENGINE = _start_engine(model_path, self.key, self.python, self.engine_options, self.start_timeout)
             return "started engine"

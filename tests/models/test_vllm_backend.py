@@ -224,6 +224,45 @@ def test_an_engine_killed_parent_leaves_no_process(smollm2_path, tmp_path):
     assert _wait_gone(pgid) == []
 
 
+def test_an_interrupt_ends_the_call_in_flight_and_the_next_call_starts_a_new_engine(vllm_backend, smollm2_path):
+    """Ctrl-C / SIGTERM of rsiflow (`interrupt_calls_in_flight`, from the CLI's signal handler) while a step's thread
+    waits for a long generate call: the engine's process group is killed at once and the call raises
+    `Interrupted` within seconds (before: the exit waited for the call, up to a minute a turn here); the next
+    call starts a new engine and answers as the old one did."""
+    import threading
+    import time
+
+    from models import vllm_backend as vb
+    from models.backend import Interrupted, interrupt_calls_in_flight
+
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    before = vllm_backend.generate(PROMPTS[:2], greedy)
+    if not hasattr(vb._ENGINE.handle, "proc"):
+        pytest.skip("the engine runs in this process: its calls can't be cut short")
+    pgid = vb._ENGINE.handle.proc.pid
+    out = {}
+
+    def long_call():
+        try:
+            vllm_backend.generate(PROMPTS * 8, SamplingParams(max_new_tokens=2048, temperature=1.0, seed=0))
+        except Exception as e:
+            out["error"], out["ended"] = e, time.monotonic()
+
+    worker = threading.Thread(target=long_call)
+    worker.start()
+    time.sleep(3)
+    assert worker.is_alive()
+    start = time.monotonic()
+    interrupt_calls_in_flight()
+    worker.join(30)
+    assert not worker.is_alive() and isinstance(out.get("error"), Interrupted), out
+    assert out["ended"] - start < 10, out["ended"] - start
+    assert _wait_gone(pgid, 10) == []
+    after = vllm_backend.generate(PROMPTS[:2], greedy)   # a new engine
+    assert vb._ENGINE.handle.proc.pid != pgid
+    assert [g.token_ids for g in after] == [g.token_ids for g in before]
+
+
 def test_shutdown_during_a_generate_call_leaves_no_process(vllm_backend, smollm2_path):
     """Runs last in this file: stops the shared engine (the next user starts a new one) while a thread waits for
     a long generate call, as when Ctrl-C or SIGTERM stops rsiflow mid-step. The shutdown must not queue its stop
