@@ -400,7 +400,10 @@ def main(argv: list[str] | None = None) -> None:
     from flows.lease import RunBusyError
     from stores.store import StoreError
 
-    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    # SIGINT only where Python's Ctrl-C handler is in place: a command started in the background by a shell without
+    # job control (`rsiflow run &` in a script) inherits SIGINT ignored, and stays deaf to the terminal's Ctrl-C.
+    stops = [signal.SIGTERM] + [signal.SIGINT] * (signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    previous = {sig: signal.signal(sig, _stop) for sig in stops}
     try:
         args.func(args)
     except KeyboardInterrupt as e:   # Ctrl-C, or SIGTERM (Terminated)

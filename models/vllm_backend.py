@@ -34,6 +34,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -96,8 +97,11 @@ class _EngineProcess:
                                           "--options", json.dumps(options)],
                                          cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)  # its own process group: vLLM's children too
-        deadline = time.monotonic() + start_timeout
+        deadline, start = time.monotonic() + start_timeout, interrupts()
         while True:
+            if interrupted_since(start):   # rsiflow is stopping: don't wait out the start
+                self._kill()
+                raise Interrupted("vllm engine start stopped: rsiflow is stopping (Ctrl-C or SIGTERM)")
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the vLLM engine exited with code {self.proc.returncode} while starting "
                                    f"({python}); last lines of {self.log_path}:\n{self.log_tail()}")
@@ -106,10 +110,17 @@ class _EngineProcess:
                     self.conn = Client(self.socket, family="AF_UNIX", authkey=key.encode())
                     break
             if time.monotonic() > deadline:
-                self.close()
+                self._kill()
                 raise RuntimeError(f"the vLLM engine did not start within {start_timeout:.0f} s "
                                    f"(backend.vllm.start_timeout); last lines of {self.log_path}:\n{self.log_tail()}")
             time.sleep(0.5)
+
+    def _kill(self) -> None:
+        """Kill the engine's process group (a start that is abandoned: it can't be asked to stop yet)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
 
     def log_tail(self, lines: int = 20) -> str:
         with contextlib.suppress(OSError), open(self.log_path, errors="replace") as f:
@@ -143,7 +154,8 @@ class _EngineProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
     def close(self) -> None:
-        """Stop the engine, then kill whatever is left of its process group (vLLM's engine-core and workers).
+        """Stop the engine, then kill whatever is left of its process group (vLLM's engine-core and workers), and
+        remove its temporary folder.
 
         When a request is still in flight (Ctrl-C or SIGTERM stopped rsiflow while a step's thread waited for a
         generate call) the engine would finish that call before it read the stop: it is killed at once instead,
@@ -167,6 +179,7 @@ class _EngineProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
+        shutil.rmtree(self.dir, ignore_errors=True)   # its socket and log (errors quoted the log's tail already)
 
 
 class _EngineInProcess:

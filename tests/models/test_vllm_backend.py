@@ -6,6 +6,7 @@ run (the `vllm_backend` fixture); skipped with the reason where vLLM is not inst
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -239,7 +240,7 @@ def test_an_interrupt_ends_the_call_in_flight_and_the_next_call_starts_a_new_eng
     before = vllm_backend.generate(PROMPTS[:2], greedy)
     if not hasattr(vb._ENGINE.handle, "proc"):
         pytest.skip("the engine runs in this process: its calls can't be cut short")
-    pgid = vb._ENGINE.handle.proc.pid
+    pgid, old_dir = vb._ENGINE.handle.proc.pid, vb._ENGINE.handle.dir
     out = {}
 
     def long_call():
@@ -260,6 +261,7 @@ def test_an_interrupt_ends_the_call_in_flight_and_the_next_call_starts_a_new_eng
     assert _wait_gone(pgid, 10) == []
     after = vllm_backend.generate(PROMPTS[:2], greedy)   # a new engine
     assert vb._ENGINE.handle.proc.pid != pgid
+    assert not os.path.exists(old_dir)   # the dead engine's socket and log folder was removed when it was replaced
     assert [g.token_ids for g in after] == [g.token_ids for g in before]
 
 
