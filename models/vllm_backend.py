@@ -132,6 +132,11 @@ class _EngineProcess:
         try:
             with self._busy:
                 self.conn.send_bytes(json.dumps({"op": op, **kwargs}).encode())
+                # Wait in short polls, not one blocking read: the kernel may deliver Ctrl-C / SIGTERM to another
+                # thread of this process, and Python runs the handler in the main thread only when that thread
+                # next runs Python code: a blocking read in the main thread held the stop until the reply came.
+                while not self.conn.poll(0.2):
+                    pass
                 reply = json.loads(self.conn.recv_bytes())
         except (EOFError, OSError) as exc:
             if interrupted_since(start):

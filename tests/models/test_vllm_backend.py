@@ -265,6 +265,42 @@ def test_an_interrupt_ends_the_call_in_flight_and_the_next_call_starts_a_new_eng
     assert [g.token_ids for g in after] == [g.token_ids for g in before]
 
 
+def test_sigterm_delivered_to_another_thread_stops_a_call_in_the_main_thread(vllm_backend, smollm2_path):
+    """`rsiflow run` makes its generate calls in the main thread (Prefect runs the step there), and the kernel may
+    deliver SIGTERM / Ctrl-C to any thread of the process; Python runs the handler in the main thread only when
+    that thread next runs Python code. The call waits in short polls, so the CLI's handler (`flows.cli._stop`)
+    runs within a poll: the engine is killed and the stop unwinds in seconds (with one blocking read it waited
+    for the whole call: 44 s into a turn here)."""
+    import signal
+    import threading
+    import time
+
+    from flows.cli import Terminated, _stop
+    from models import vllm_backend as vb
+
+    vllm_backend.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, temperature=0.0))
+    if not hasattr(vb._ENGINE.handle, "proc"):
+        pytest.skip("the engine runs in this process: its calls can't be cut short")
+    pgid = vb._ENGINE.handle.proc.pid
+    previous = signal.signal(signal.SIGTERM, _stop)
+
+    def signal_me():   # a thread of this process receives the signal, as the kernel may choose
+        time.sleep(3)
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+
+    helper = threading.Thread(target=signal_me, daemon=True)
+    try:
+        helper.start()
+        start = time.monotonic()
+        with pytest.raises(Terminated):
+            vllm_backend.generate(PROMPTS * 8, SamplingParams(max_new_tokens=2048, temperature=1.0, seed=0))
+        took = time.monotonic() - start
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert took < 15, f"the call in the main thread ended {took:.0f} s after it began (signal at 3 s)"
+    assert _wait_gone(pgid, 10) == []
+
+
 def test_shutdown_during_a_generate_call_leaves_no_process(vllm_backend, smollm2_path):
     """Runs last in this file: stops the shared engine (the next user starts a new one) while a thread waits for
     a long generate call, as when Ctrl-C or SIGTERM stops rsiflow mid-step. The shutdown must not queue its stop
