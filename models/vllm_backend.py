@@ -89,6 +89,10 @@ class _EngineProcess:
         self.socket = os.path.join(self.dir, "engine.sock")
         self.log_path = os.path.join(self.dir, "engine.log")
         self._busy = threading.Lock()  # held while a request is in flight (a step's thread may be in one)
+        # A request was sent and its reply not read: the call was unwound by an exception (Prefect's own SIGTERM
+        # handler raises TerminationSignal in the waiting thread; Ctrl-C a KeyboardInterrupt) while the engine
+        # still works on it. Such an engine is not reused (`alive`) and is killed, not asked to stop.
+        self._abandoned = False
         key = secrets.token_hex(16)
         env = {**os.environ, "RSIFLOW_ENGINE_KEY": key, "RSIFLOW_PARENT_PID": str(os.getpid()),
                "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
@@ -132,12 +136,14 @@ class _EngineProcess:
         try:
             with self._busy:
                 self.conn.send_bytes(json.dumps({"op": op, **kwargs}).encode())
+                self._abandoned = True   # until the reply is read
                 # Wait in short polls, not one blocking read: the kernel may deliver Ctrl-C / SIGTERM to another
                 # thread of this process, and Python runs the handler in the main thread only when that thread
                 # next runs Python code: a blocking read in the main thread held the stop until the reply came.
                 while not self.conn.poll(0.2):
                     pass
                 reply = json.loads(self.conn.recv_bytes())
+                self._abandoned = False
         except (EOFError, OSError) as exc:
             if interrupted_since(start):
                 raise Interrupted(f"vllm {op} call stopped: rsiflow is stopping (Ctrl-C or SIGTERM); the engine "
@@ -149,12 +155,14 @@ class _EngineProcess:
         return reply.get("result")
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        """Whether the engine can take a request: its process runs and no abandoned request is pending."""
+        return self.proc.poll() is None and not self._abandoned
 
     def interrupt(self) -> None:
-        """Kill the engine's process group if a request is in flight (rsiflow is stopping): the thread waiting for
-        it gets `Interrupted` at once. Called from a signal handler: no lock taken, nothing waited for."""
-        if self._busy.locked():
+        """Kill the engine's process group if a request is in flight or was abandoned (rsiflow is stopping): the
+        thread waiting for it gets `Interrupted` at once. Called from a signal handler: no lock taken, nothing
+        waited for."""
+        if self._busy.locked() or self._abandoned:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
@@ -165,7 +173,7 @@ class _EngineProcess:
         When a request is still in flight (Ctrl-C or SIGTERM stopped rsiflow while a step's thread waited for a
         generate call) the engine would finish that call before it read the stop: it is killed at once instead,
         so rsiflow exits in seconds, not when the abandoned call would have ended."""
-        if self._busy.acquire(blocking=False):
+        if not self._abandoned and self._busy.acquire(blocking=False):
             try:
                 with contextlib.suppress(Exception):
                     self.conn.send_bytes(json.dumps({"op": "stop"}).encode())

@@ -301,6 +301,43 @@ def test_sigterm_delivered_to_another_thread_stops_a_call_in_the_main_thread(vll
     assert _wait_gone(pgid, 10) == []
 
 
+def test_a_call_unwound_by_another_handler_is_not_waited_for_at_shutdown(vllm_backend, smollm2_path):
+    """During a flow run Prefect's own SIGTERM handler is in place: it raises TerminationSignal in the waiting call
+    (rsiflow's handler runs only after, when Prefect re-sends the signal), so the engine is left working on the
+    abandoned request. It must not be reused, and shutting it down must kill it, not wait for that request: the
+    default run's SIGTERM exit spent 15 s there."""
+    import signal
+    import threading
+    import time
+
+    from models import vllm_backend as vb
+
+    class Unwound(Exception):
+        pass
+
+    def raise_unwound(signum, frame):
+        raise Unwound
+
+    vllm_backend.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, temperature=0.0))
+    if not hasattr(vb._ENGINE.handle, "proc"):
+        pytest.skip("the engine runs in this process: its calls can't be cut short")
+    handle = vb._ENGINE.handle
+    previous = signal.signal(signal.SIGTERM, raise_unwound)
+    helper = threading.Thread(target=lambda: (time.sleep(3), signal.pthread_kill(threading.get_ident(),
+                                                                                 signal.SIGTERM)), daemon=True)
+    try:
+        helper.start()
+        with pytest.raises(Unwound):
+            vllm_backend.generate(PROMPTS * 8, SamplingParams(max_new_tokens=2048, temperature=1.0, seed=0))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert handle.proc.poll() is None and not handle.alive()   # still working on the abandoned request: not reused
+    start = time.monotonic()
+    vb.shutdown_engine()
+    assert time.monotonic() - start < 15
+    assert _wait_gone(handle.proc.pid, 10) == []
+
+
 def test_shutdown_during_a_generate_call_leaves_no_process(vllm_backend, smollm2_path):
     """Runs last in this file: stops the shared engine (the next user starts a new one) while a thread waits for
     a long generate call, as when Ctrl-C or SIGTERM stops rsiflow mid-step. The shutdown must not queue its stop
