@@ -24,6 +24,13 @@ def _env(tmp_path: Path) -> dict:
     return env
 
 
+def as_terminal_job() -> None:
+    """In the child before exec: SIGINT at its default, as a terminal's foreground job has it. pytest itself may run
+    with SIGINT ignored (a background job of a script without job control), which its children inherit and rsiflow
+    then keeps (README "Signals"), so a Ctrl-C test would measure nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     """`rsiflow run` on the tiny config in its own process group (as a shell starts a job), once its round's
     generate step is under way; returns the process and its log."""
@@ -34,7 +41,7 @@ def start_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     cmd = [sys.executable, "-m", "flows.cli", "run", "--config", TINY,
            *[a for o in tiny_overrides(tmp_path, *longer) for a in ("--set", o)]]
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(tmp_path), stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=as_terminal_job)
     deadline = time.monotonic() + 300
     while "round 1 of run 'tiny' starting" not in log.read_text():
         assert proc.poll() is None, log.read_text()[-3000:]
@@ -105,7 +112,7 @@ def test_ctrl_c_and_sigterm_of_serve(tmp_path):
         cmd = [sys.executable, "-m", "flows.cli", "serve", "--config", TINY,
                *[a for o in tiny_overrides(tmp_path) for a in ("--set", o)]]
         proc = subprocess.Popen(cmd, cwd=REPO, env=_env(tmp_path), stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=as_terminal_job)
         deadline = time.monotonic() + 300
         while "being served" not in log.read_text():
             assert proc.poll() is None, log.read_text()[-3000:]
