@@ -42,18 +42,18 @@ class Interrupted(RuntimeError):
     """A generate call ended early: rsiflow is stopping (Ctrl-C or SIGTERM; `interrupt_calls_in_flight`)."""
 
 
-_INTERRUPTS = [0]  # how many times rsiflow was told to stop (a list: bumped from a signal handler)
+_INTERRUPTS = 0  # how many times rsiflow was told to stop
 _ON_INTERRUPT: list[Callable[[], None]] = []
 
 
 def interrupts() -> int:
     """The interrupt count now; a call reads it when it starts and passes it to `interrupted_since`."""
-    return _INTERRUPTS[0]
+    return _INTERRUPTS
 
 
 def interrupted_since(start: int) -> bool:
     """Whether rsiflow was told to stop after the call that read `start` began."""
-    return _INTERRUPTS[0] != start
+    return _INTERRUPTS != start
 
 
 def raise_if_interrupted(start: int, backend: str) -> None:
@@ -71,8 +71,12 @@ def on_interrupt(hook: Callable[[], None]) -> Callable[[], None]:
 def interrupt_calls_in_flight() -> None:
     """End every generate call in flight in this process (they raise `Interrupted`): Ctrl-C or SIGTERM is stopping
     rsiflow, and a step's thread waiting on a call would otherwise hold the exit until the call ends."""
-    _INTERRUPTS[0] += 1
+    global _INTERRUPTS
+    _INTERRUPTS += 1
     for hook in list(_ON_INTERRUPT):
+        # Runs inside a signal handler: a hook's error must not replace the KeyboardInterrupt / Terminated being
+        # raised (the stop goes on: the count above still ends hf and openai calls; only a call the failed hook was
+        # to cut short runs on), and logging it here could deadlock on a logging lock the interrupted code holds.
         with contextlib.suppress(Exception):
             hook()
 

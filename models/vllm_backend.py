@@ -105,6 +105,7 @@ class _EngineProcess:
         while True:
             if interrupted_since(start):   # rsiflow is stopping: don't wait out the start
                 self._kill()
+                shutil.rmtree(self.dir, ignore_errors=True)
                 raise Interrupted("vllm engine start stopped: rsiflow is stopping (Ctrl-C or SIGTERM)")
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the vLLM engine exited with code {self.proc.returncode} while starting "
@@ -119,10 +120,14 @@ class _EngineProcess:
                                    f"(backend.vllm.start_timeout); last lines of {self.log_path}:\n{self.log_tail()}")
             time.sleep(0.5)
 
-    def _kill(self) -> None:
-        """Kill the engine's process group (a start that is abandoned: it can't be asked to stop yet)."""
+    def _kill_group(self) -> None:
+        """SIGKILL to the engine's process group (the host, vLLM's engine-core and workers); waits for nothing."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def _kill(self) -> None:
+        """Kill the engine's process group and reap the host (a start given up on, or what a stop left)."""
+        self._kill_group()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
 
@@ -163,8 +168,7 @@ class _EngineProcess:
         thread waiting for it gets `Interrupted` at once. Called from a signal handler: no lock taken, nothing
         waited for."""
         if self._busy.locked() or self._abandoned:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            self._kill_group()
 
     def close(self) -> None:
         """Stop the engine, then kill whatever is left of its process group (vLLM's engine-core and workers), and
@@ -182,16 +186,12 @@ class _EngineProcess:
             finally:
                 self._busy.release()
         else:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            self._kill_group()
         with contextlib.suppress(Exception):
             self.conn.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=30)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
+        self._kill()   # whatever of the group outlived the stop
         shutil.rmtree(self.dir, ignore_errors=True)   # its socket and log (errors quoted the log's tail already)
 
 
