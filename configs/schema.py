@@ -282,7 +282,11 @@ class GrpoConfig(_Section):
         "too unless epsilon_high).")
     epsilon_high: float | None = Field(None, gt=0.0, description="Clip-higher ε_high (DAPO: 0.28); null = "
         "epsilon.")
-    beta: float = Field(0.0, ge=0.0, description="KL(π ‖ π_ref) weight; the reference is the round's champion.")
+    beta: float = Field(0.0, ge=0.0, description="KL(π ‖ π_ref) weight; the reference is `reference`.")
+    reference: Literal["champion", "base"] = Field(
+        "champion", description="π_ref of the KL(π ‖ π_ref) term weighted by beta (only used when beta > 0): "
+        "champion = the round's champion, which sampled the rollouts (π_old); base = the run's base model, so the KL "
+        "keeps the policy near the base across rounds.")
     passes: int = Field(1, ge=1, description="Optimisation passes over the round's rows (minibatches of "
         "train.batch_size × train.grad_accum trajectories per optimizer step); ratios against the sampler's policy.")
     correction: Literal["none", "tis", "cis", "mask"] = Field(
@@ -530,6 +534,27 @@ class GateConfig(_Section):
         "has).")
     confidence: float = Field(0.95, gt=0.5, lt=1.0, description="Confidence level of the Wilson intervals "
         "(reported for every rule; no_worse and better decide on them).")
+    samples: int = Field(0, ge=0, le=256, description="Sampled plays per held-out task and model at the training "
+        "policy's backend.temperature and top_p, beside the greedy play: the success the policy actually has when "
+        "it samples (what ExIt and RL sharpen, and greedy may not show). Candidate and champion play with "
+        "independent seeds drawn from gate.seed and the round, fresh every round. 0 = greedy only.")
+    metric: Literal["greedy", "sampled"] = Field("greedy", description="What the promotion rule decides on: "
+        "greedy (one play per task at gate.temperature) or sampled (the gate.samples plays per task; paired_test is "
+        "then the exact sign-flip test on the per-task differences of successes, with the same false-promotion "
+        "bound alpha). Both are recorded and reported either way.")
+    test_tasks: int = Field(0, ge=0, le=100_000, description="Final test split: this many held-out tasks (seed "
+        "test_seed, none equal to a task of the gate's sample) that no promotion decision ever reads; the base and "
+        "the final champion play them at the end of `rsiflow run` (and with `rsiflow test`), greedy and with "
+        "gate.samples plays. Repeated gating on one held-out sample selects for its noise: this is the figure to "
+        "report. 0 = no test split.")
+    test_seed: int = Field(4321, description="Seed of the final test split's task sample (and its sampling seeds).")
+
+    @model_validator(mode="after")
+    def _sampled_metric_needs_samples(self) -> GateConfig:
+        if self.metric == "sampled" and self.samples < 2:
+            raise ValueError(f"gate.metric sampled decides on gate.samples plays per task: set gate.samples to at "
+                             f"least 2 (now {self.samples}), or gate.metric=greedy")
+        return self
 
     @model_validator(mode="after")
     def _growth_needs_paired_test(self) -> GateConfig:
@@ -541,6 +566,22 @@ class GateConfig(_Section):
                 raise ValueError(f"gate.max_heldout_tasks grows the sample for rule paired_test only, not "
                                  f"{self.rule!r}: set gate.rule=paired_test or gate.max_heldout_tasks=null")
         return self
+
+
+class DiagnosticsConfig(_Section):
+    """Learning diagnostics, computed in the gate step once a trained candidate has played (never read by the
+    promotion decision): they say whether training moved the model and where, when held-out success does not."""
+
+    enabled: bool = Field(True, description="Compute the round's learning diagnostics (stored in the gate step's "
+        "metrics and rounds.metrics.diagnostics, shown in the report): the logprob change on trained tokens comes "
+        "from training; the rest below.")
+    train_tasks: int = Field(8, ge=0, le=100_000, description="The round's first N training tasks, replayed: the "
+        "candidate plays generate.group_size sampled rollouts of each with the generate step's seed (against the "
+        "champion's own rollouts of them) and both models one greedy play. No gain on the tasks it trained on means "
+        "no learning, not a failure to transfer. 0 = skip.")
+    kl_tasks: int = Field(24, ge=0, le=100_000, description="Held-out tasks (the gate's first) whose candidate "
+        "greedy episodes are scored by both models: the mean KL(candidate || champion) of the next-token "
+        "distributions at the candidate's action tokens (trainer dtype, full vocabulary). 0 = skip.")
 
 
 class PrefectConfig(_Section):
@@ -584,6 +625,8 @@ class Config(_Section):
         "examples.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="TRL training of the candidate.")
     gate: GateConfig = Field(default_factory=GateConfig, description="Held-out comparison and promotion rule.")
+    diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig, description="Learning diagnostics "
+        "per round (why held-out success moved or did not).")
     prefect: PrefectConfig = Field(default_factory=PrefectConfig, description="Prefect deployment and schedule.")
     _sources: dict[tuple, str] = PrivateAttr(default_factory=dict)
 

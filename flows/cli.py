@@ -178,7 +178,37 @@ def cmd_run(args) -> None:
             start_temporary_prefect_server()   # once (it returns at once when running), when a round is to run
             round_flow(cfg, max(done, 0) + 1)(files, args.overrides)
             _print_report(cfg, read_only=False)
+        if cfg.gate.test_tasks:
+            _final_test(cfg, again=False)
     print(f"run {cfg.run.name!r}: {max(done, 0)} round(s) completed; store {redact(cfg.run.store)}")
+
+
+def _final_test(cfg, again: bool) -> None:
+    """Print the run's final test split figures (tasks/final_test.py), playing them unless the store has them for
+    the current champion after its last round (or `again`)."""
+    from tasks.common import open_store
+    from tasks.final_test import describe, final_test, stored_final_test
+
+    with open_store(cfg) as store:
+        found = stored_final_test(store, cfg.run.name)
+        current = (found is not None and found["champion_id"] == store.champion(cfg.run.name)
+                   and found["round"] == max(store.last_completed_round(cfg.run.name), 0))
+    result = found if current and not again else final_test(cfg)
+    print("\n".join(describe(result)), flush=True)
+
+
+def cmd_test(args) -> None:
+    """Play the final test split (gate.test_tasks tasks no gate reads) with the run's base and champion."""
+    from configs.schema import ConfigError
+    from flows.lease import run_lease
+
+    _prefect_env()
+    files, cfg = _load(args)
+    if not cfg.gate.test_tasks:
+        raise ConfigError("gate.test_tasks is 0: set it (e.g. --set gate.test_tasks=200) to play a final test split")
+    _open_run(cfg).close()   # the run must exist
+    with run_lease(cfg, args.wait):
+        _final_test(cfg, again=args.again)
 
 
 def serve_deployments(files: list[str], overrides: list[str], cfg, cron: str | None) -> list:
@@ -386,6 +416,13 @@ def main(argv: list[str] | None = None) -> None:
                        parents=[debug])
     _config_args(p)
     p.set_defaults(func=cmd_report)
+    p = sub.add_parser("test", help="Play the final test split (gate.test_tasks held-out tasks no promotion decision "
+                       "reads) with the run's base and champion; print and store the figures.", parents=[debug])
+    _config_args(p)
+    p.add_argument("--again", action="store_true", help="Play it again even if the store has it for this champion")
+    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="If a round of the run is running elsewhere, wait this long for it (default 0: exit at once)")
+    p.set_defaults(func=cmd_test)
     p = sub.add_parser("pools", help="Steps on Prefect work pools (prefect.pools): `deploy` creates the pools and "
                        "registers the step deployments on the server at PREFECT_API_URL.", parents=[debug])
     p.add_argument("action", choices=["deploy"],

@@ -6,11 +6,15 @@ Candidate and champion play the same held-out tasks with the same seeds, so task
 
 Rules (config `gate.rule`):
 
-- `paired_test`: one-sided exact sign test on the discordant pairs (McNemar's exact test):
-  p = P(Bin(wins + losses, 1/2) >= wins); promote only if p <= the look's level. If the candidate
-  is no better than the champion (a split task is at most as likely a win as a loss), it is
-  promoted with probability at most `alpha`, whatever the tasks' difficulty or the correlation
-  of the two models' outcomes.
+- `paired_test`: one-sided exact sign-flip (permutation) test on the per-task differences
+  d_i = candidate successes - champion successes: p = P(sum_i s_i |d_i| >= sum_i d_i) over independent
+  random signs s_i = +-1, computed exactly (`sign_flip_pvalue`); promote only if p <= the look's level.
+  With one greedy play per task (`gate.metric: greedy`) d_i is -1, 0 or 1 and this is the exact sign
+  test on the discordant pairs (McNemar's exact test): p = P(Bin(wins + losses, 1/2) >= wins). With k
+  sampled plays per task and model (`gate.metric: sampled`), played with independent seeds, d_i is the
+  difference of two counts out of k: if the candidate is no better on any task, each d_i is symmetric
+  about 0 (or leans negative), so a no-better candidate is promoted with probability at most `alpha`,
+  whatever the tasks' difficulty.
 - `paired_margin`: promote only if wins - losses >= `margin`. Simple to read, no stated error rate.
 - `no_worse`, `better`, `always`: the Wilson-interval rules on unpaired rates (`methods.stats`).
 
@@ -42,6 +46,29 @@ def sign_test_pvalue(wins: int, losses: int) -> float:
     return sum(math.comb(d, k) for k in range(wins, d + 1)) / 2**d
 
 
+def sign_flip_pvalue(diffs: list[int] | tuple[int, ...]) -> float:
+    """One-sided exact sign-flip test of integer per-task differences: P(S >= sum(diffs)) where S = sum_i s_i |d_i|
+    with independent fair signs s_i; 1.0 when every difference is 0. The distribution of S is built exactly by
+    counting sign patterns per attainable sum (integers, so no rounding: n tasks x k plays stay small)."""
+    magnitudes = [abs(int(d)) for d in diffs if d]
+    if not magnitudes:
+        return 1.0
+    total = sum(magnitudes)
+    counts = [0] * (2 * total + 1)      # counts[v + total]: sign patterns of the magnitudes seen so far summing to v
+    counts[total] = 1
+    reach = 0
+    for a in magnitudes:
+        new = [0] * len(counts)
+        for v in range(-reach, reach + 1):
+            c = counts[v + total]
+            if c:
+                new[v + a + total] += c
+                new[v - a + total] += c
+        counts, reach = new, reach + a
+    observed = sum(int(d) for d in diffs)
+    return sum(counts[observed + total:]) / 2 ** len(magnitudes)
+
+
 def look_sizes(first: int, most: int | None) -> list[int]:
     """Held-out sample sizes of the looks: first, 2·first, ... below `most`, then `most`; [first] when
     `most` is None or not above `first` (no growth)."""
@@ -68,10 +95,11 @@ def judge(ev: GateEvidence, rule: Rule, looks: int = 1, last: bool = True) -> tu
     """The verdict of one look, 'promote', 'reject' or 'grow' (paired_test only, not at the last
     look, when the candidate is ahead but not significantly), with the look's test figures."""
     if rule.name == "paired_test":
-        p, level = sign_test_pvalue(ev.wins, ev.losses), rule.alpha / looks
+        p = sign_flip_pvalue(ev.diffs) if ev.samples > 1 else sign_test_pvalue(ev.wins, ev.losses)
+        level = rule.alpha / looks
         if p <= level:
             verdict = "promote"
-        elif last or ev.wins <= ev.losses:
+        elif last or sum(ev.diffs) <= 0:
             verdict = "reject"
         else:
             verdict = "grow"
@@ -97,28 +125,33 @@ class GateResult:
         """One line for a log: both models' successes with intervals, the decision and why."""
         ev, last = self.evidence, self.looks[-1]
         why = [f"paired {ev.wins - ev.losses:+d}: {ev.wins} wins, {ev.losses} losses"]
+        if ev.samples > 1:
+            why = [f"{ev.samples} plays a task, mean paired difference {ev.paired_diff:+.3f}: {ev.wins} tasks better, "
+                   f"{ev.losses} worse"]
         if "p_value" in last:
-            why.append(f"sign test p={last['p_value']:.3g} vs level {last['level']:.3g}")
+            test = "sign-flip test" if ev.samples > 1 else "sign test"
+            why.append(f"{test} p={last['p_value']:.3g} vs level {last['level']:.3g}")
         if len(self.looks) > 1:
             why.append(f"{len(self.looks)} looks: n={'/'.join(str(look['n']) for look in self.looks)}")
         (clo, chi), (hlo, hhi) = ev.candidate_ci, ev.champion_ci
-        return (f"candidate {ev.candidate_successes}/{ev.n} [{clo:.2f}, {chi:.2f}] vs champion "
-                f"{ev.champion_successes}/{ev.n} [{hlo:.2f}, {hhi:.2f}] -> {self.decision} "
+        plays = ev.n * ev.samples
+        return (f"candidate {ev.candidate_successes}/{plays} [{clo:.2f}, {chi:.2f}] vs champion "
+                f"{ev.champion_successes}/{plays} [{hlo:.2f}, {hhi:.2f}] -> {self.decision} "
                 f"({ev.rule}; {'; '.join(why)})")
 
 
-def sequential_decision(outcomes: Callable[[int], tuple[list[bool], list[bool]]], sizes: list[int],
-                        rule: Rule) -> GateResult:
+def sequential_decision(outcomes: Callable[[int], tuple[list, list]], sizes: list[int],
+                        rule: Rule, samples: int = 1) -> GateResult:
     """Decide on the paired outcomes look by look. `outcomes(n)` returns (candidate, champion)
-    successes on the first n held-out tasks (index i = the same task and seed for both); each look
-    asks for the next size of `sizes`, so a caller plays only what a look needs. Stops at the first
-    look that promotes or rejects; the last look never grows."""
+    successes on the first n held-out tasks (index i = the same task for both: a bool per task, or the number of
+    its `samples` plays that succeeded); each look asks for the next size of `sizes`, so a caller plays only what
+    a look needs. Stops at the first look that promotes or rejects; the last look never grows."""
     if len(sizes) > 1 and rule.name != "paired_test":
         raise ValueError(f"growing the held-out sample needs rule paired_test, not {rule.name!r}")
     looks = []
     for i, n in enumerate(sizes):
         candidate, champion = outcomes(n)
-        ev = compare(candidate, champion, rule.name, rule.confidence)
+        ev = compare(candidate, champion, rule.name, rule.confidence, samples)
         verdict, figures = judge(ev, rule, looks=len(sizes), last=i == len(sizes) - 1)
         looks.append({"n": n, "candidate_successes": ev.candidate_successes,
                       "champion_successes": ev.champion_successes, "wins": ev.wins, "losses": ev.losses,

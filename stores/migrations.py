@@ -526,6 +526,12 @@ CREATE TABLE mass_rankings (
 );
 """
 
+# Learning measurement: the gate's sampled held-out plays ('eval_sampled', beside the greedy 'eval' plays it reuses)
+# and the final test split's plays ('test', 'test_sampled', never read by a promotion decision) are trajectories
+# of their own purposes: the CHECK on trajectories.purpose is widened by the same rebuild as in version 8.
+PURPOSES_REBUILD = RSIPO_REBUILD.replace("trajectories_v8", "trajectories_v10").replace(
+    "('train', 'eval', 'replay')", "('train', 'eval', 'replay', 'eval_sampled', 'test', 'test_sampled')")
+
 MIGRATIONS: list[tuple[int, str, str]] = [
     (1, "initial schema", INITIAL_SCHEMA),
     (2, "SRD notes and foresight pairs", SRD_TABLES),
@@ -536,16 +542,18 @@ MIGRATIONS: list[tuple[int, str, str]] = [
     (7, "checkpoints deleted by retention", RETENTION),
     (8, "RSIPO skills, replays and library", RSIPO_TABLES),
     (9, "MASS workflows, verdicts, rankings", MASS_TABLES),
+    (10, "trajectory purposes of sampled held-out plays and the final test split", PURPOSES_REBUILD),
 ]
 
 
 # The lake (stores/lake.py) takes each migration through `lake_migration_sql` (no constraints, indexes or now()
 # defaults there); these versions differ beyond that. 5: the lake's lock row that serialises lease writes.
-# 8: no trajectories rebuild (it only widened a CHECK, which a lake table has none of; DuckLake can't rename a
-# table created in the same transaction either).
+# 8 and 10: no trajectories rebuild (they only widened a CHECK, which a lake table has none of; DuckLake can't
+# rename a table created in the same transaction either).
 LAKE_MIGRATIONS: dict[int, str] = {
     5: LEASES + LAKE_LOCKS_SQL,
     8: RSIPO_NEW_TABLES,
+    10: "SELECT 1;",   # only a CHECK was widened
 }
 
 SCHEMA_MIGRATIONS = ("CREATE TABLE IF NOT EXISTS schema_migrations ("

@@ -833,6 +833,17 @@ class Store:
                          " WHERE run_id = ? AND round = ? AND step = ? ORDER BY traj_id, turn_idx",
                          [run_id, round, step])
 
+    def trajectory_actions(self, traj_ids: list[str]) -> dict[str, list[str]]:
+        """The executed action texts of these trajectories, in turn order (traj_id -> actions)."""
+        if not traj_ids:
+            return {}
+        rows = self.rows("SELECT traj_id, action_text FROM turns WHERE list_contains(?, traj_id)"
+                         " ORDER BY traj_id, turn_idx", [list(traj_ids)])
+        out: dict[str, list[str]] = {}
+        for r in rows:
+            out.setdefault(r["traj_id"], []).append(r["action_text"])
+        return out
+
     def eval_trajectories(self, run_id: str, model_id: str) -> list[dict]:
         """A model's held-out (purpose 'eval') trajectories of the run, newest round first."""
         return self.rows("SELECT traj_id, task_id, success, gen_tokens, round FROM trajectories"
@@ -910,14 +921,15 @@ class Store:
                          [run_id, round], json_cols=("spec",))
         return rows[0] if rows else None
 
-    def latest_heldout(self, run_id: str, model_id: str | None) -> dict | None:
-        """A model's newest held-out evaluation over all task types: success_rate, ci_low, ci_high, n,
-        successes, tokens_per_success; None if it has none."""
+    def latest_heldout(self, run_id: str, model_id: str | None, split: str = "heldout") -> dict | None:
+        """A model's newest evaluation of `split` ('heldout': greedy; 'heldout:sampled': the sampled plays; 'test',
+        'test:sampled': the final test split) over all task types: success_rate, ci_low, ci_high, n, successes,
+        tokens_per_success; None if it has none."""
         if model_id is None:
             return None
         rows = self.rows("SELECT success_rate, ci_low, ci_high, n, successes, tokens_per_success FROM evaluations"
-                         " WHERE run_id = ? AND model_id = ? AND split = 'heldout' AND task_type = '*'"
-                         " ORDER BY round DESC LIMIT 1", [run_id, model_id])
+                         " WHERE run_id = ? AND model_id = ? AND split = ? AND task_type = '*'"
+                         " ORDER BY round DESC LIMIT 1", [run_id, model_id, split])
         return rows[0] if rows else None
 
     def projected_share(self, run_id: str, round: int) -> float | None:

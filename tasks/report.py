@@ -11,6 +11,7 @@ from pathlib import Path
 
 from methods.groups import group_counts, group_stats
 from stores.store import Store
+from tasks.common import STEPS
 from tasks.methods import method_class
 
 
@@ -27,8 +28,12 @@ def round_rows(store: Store, run_id: str) -> list[dict]:
         per_method = {}
         for name, figures in (store.step_metrics(run_id, r, "distill") or {}).items():
             per_method[name] = method_class(name).round_metrics(figures, tm)
-        for name, figures in (store.step_metrics(run_id, r, "gate") or {}).items():   # Method.assess
+        gate_metrics = dict(store.step_metrics(run_id, r, "gate") or {})
+        diagnostics = gate_metrics.pop("diagnostics", None)
+        for name, figures in gate_metrics.items():   # Method.assess
             per_method[name] = {**(per_method.get(name) or {}), **figures}
+        ev = d["evidence"] or {}
+        heldout = ev.get("heldout") or {}
         out.append({
             "round": r,
             **per_method,
@@ -43,11 +48,29 @@ def round_rows(store: Store, run_id: str) -> list[dict]:
             "candidate_heldout": store.latest_heldout(run_id, d["candidate_id"]),
             "decision": d["decision"],
             "rule": d["rule"],
-            **{k: (d["evidence"] or {}).get(k) for k in ("wins", "losses", "p_value")},
+            **{k: ev.get(k) for k in ("wins", "losses", "p_value", "metric", "detectable_gain")},
+            "champion_sampled": _sampled(heldout.get("champion")),
+            "candidate_sampled": _sampled(heldout.get("candidate")),
+            "heldout_by_type": {role: {m: f["by_type"] for m, f in figures.items()}
+                                for role, figures in heldout.items()},
+            "paired": ev.get("paired"),
+            "diagnostics": diagnostics,
+            "logprob_change": tm.get("logprob_change"),
+            "learning_rate": tm.get("learning_rate"),
+            "replay": tm.get("replay"),
             "champion_after": d["new_champion_id"],
-            "step_seconds": {step: round(s, 1) for step, s in store.step_seconds(run_id, r).items()},
+            "step_seconds": {step: round(s, 1) for step, s in store.step_seconds(run_id, r).items() if step in STEPS},
         })
     return out
+
+
+def _sampled(figures: dict | None) -> dict | None:
+    """A model's sampled held-out figures of one gate (`HeldoutPlays.summary`) in `latest_heldout`'s shape."""
+    s = (figures or {}).get("sampled")
+    if not s:
+        return None
+    return {"success_rate": s["rate"], "ci_low": s["ci"][0], "ci_high": s["ci"][1], "n": s["plays"],
+            "successes": s["successes"], "tasks": s["n"]}
 
 
 def _fmt(h: dict | None) -> str:
@@ -56,40 +79,110 @@ def _fmt(h: dict | None) -> str:
     return f"{h['success_rate']:.3f} [{h['ci_low']:.3f}, {h['ci_high']:.3f}] ({h['successes']}/{h['n']})"
 
 
-def heldout_series(rows: list[dict]) -> list[tuple[str, dict | None]]:
-    """Held-out success of the serving model: the base, then the champion after each round."""
+def heldout_series(rows: list[dict], metric: str = "greedy") -> list[tuple[str, dict | None]]:
+    """Held-out success of the serving model: the base, then the champion after each round. `metric` sampled:
+    the sampled plays, each measured by the round's own gate (fresh plays every round)."""
     if not rows:
         return []
-    series = [("base", rows[0]["champion_heldout"])]
+    key = "heldout" if metric == "greedy" else "sampled"
+    series = [("base", rows[0][f"champion_{key}"])]
     for r in rows:
-        after = r["candidate_heldout"] if r["decision"] == "promote" else r["champion_heldout"]
+        after = r[f"candidate_{key}"] if r["decision"] == "promote" else r[f"champion_{key}"]
         series.append((f"round {r['round']}", after))
     return series
 
 
+def _pct(x) -> str:
+    return f"{x:.3f}" if isinstance(x, (int, float)) else "-"
+
+
 def markdown_table(run_id: str, rows: list[dict]) -> str:
+    sampled = any(r.get("champion_sampled") for r in rows)
     lines = [f"# rsiflow run `{run_id}`", "",
              "| round | train success | groups fail/pass/mixed | projected actions | examples | train loss | "
-             "champion held-out | candidate held-out | decision | seconds |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "champion held-out | candidate held-out | "
+             + ("champion sampled | candidate sampled | " if sampled else "")
+             + "decision | detectable gain | seconds |",
+             "|---|---|---|---|---|---|---|---|" + ("---|---|" if sampled else "") + "---|---|---|"]
     for r in rows:
         loss = f"{r['train_loss']:.3f}" if r["train_loss"] is not None else "-"
         ts = f"{r['train_success']:.3f}" if r["train_success"] is not None else "-"
         secs = sum(r["step_seconds"].values())
         proj = f"{r['projected']:.2f}" if r["projected"] is not None else "-"
+        decision = r["decision"] + (f" ({r['metric']}, p {r['p_value']:.2g})" if r.get("p_value") is not None else "")
+        gain = f"+{r['detectable_gain']:.3f}" if r.get("detectable_gain") is not None else "-"
+        cells = (f"{_fmt(r['champion_sampled'])} | {_fmt(r['candidate_sampled'])} | " if sampled else "")
         lines.append(f"| {r['round']} | {ts} | {r['all_fail']}/{r['all_pass']}/{r['mixed']} | {proj} | "
                      f"{r['examples']} | {loss} | "
-                     f"{_fmt(r['champion_heldout'])} | {_fmt(r['candidate_heldout'])} | {r['decision']} | {secs:.0f} |")
+                     f"{_fmt(r['champion_heldout'])} | {_fmt(r['candidate_heldout'])} | {cells}{decision} | {gain} | "
+                     f"{secs:.0f} |")
+    lines += diagnostics_section(rows) + type_section(rows)
     for name in dict.fromkeys(m for r in rows for m in r.get("methods", [])):
         section = method_class(name).report_section(rows)
         if section:
             lines += ["", *section]
     lines += ["", "projected actions: share of generated actions that were not admissible and were replaced by the "
-              "closest admissible one (`env.project_actions`).", "",
-              "Held-out success of the serving model (95% Wilson interval):", ""]
+              "closest admissible one (`env.project_actions`). detectable gain: the smallest true gain the gate's "
+              "paired test detects with 80% power at its size and level (from the spread of the round's per-task "
+              "differences).", "",
+              "Held-out success of the serving model (95% interval):", ""]
     for label, h in heldout_series(rows):
         lines.append(f"- {label}: {_fmt(h)}")
+    if sampled:
+        lines += ["", "Sampled (the training policy's temperature; a promoted candidate's figure is the one its "
+                  "gate decided on: see the final test split for an unselected one):", ""]
+        for label, h in heldout_series(rows, "sampled"):
+            lines.append(f"- {label}: {_fmt(h)}")
     return "\n".join(lines) + "\n"
+
+
+def diagnostics_section(rows: list[dict]) -> list[str]:
+    """The learning diagnostics per round (tasks/diagnostics.py and the trainer's logprob change)."""
+    have = [r for r in rows if r.get("diagnostics") or r.get("logprob_change")]
+    if not have:
+        return []
+    lines = ["", "Learning diagnostics (candidate vs champion; never read by the gate):", "",
+             "| round | lr | own train tasks sampled: cand / champ (p) | own train tasks greedy: cand / champ | "
+             "Δ logprob trained tokens (+ / -) | KL(cand ‖ champ) per token | held-out greedy answers changed |",
+             "|---|---|---|---|---|---|---|"]
+    for r in have:
+        d, lp = r.get("diagnostics") or {}, r.get("logprob_change") or {}
+        tt, kl, ch = d.get("train_tasks") or {}, d.get("kl") or {}, d.get("heldout_changed") or {}
+        own = (f"{_pct(tt.get('candidate_sampled'))} / {_pct(tt.get('champion_sampled'))} "
+               f"(p {tt['sampled_p_value']:.2g})" if tt else "-")
+        greedy = f"{_pct(tt.get('candidate_greedy'))} / {_pct(tt.get('champion_greedy'))}" if tt else "-"
+        delta = " / ".join(f"{lp[k]['delta']:+.3f} ({lp[k]['rows']} rows)" if k in lp else "-"
+                           for k in ("positive", "negative"))
+        kls = f"{kl['mean']:.4f}" if kl.get("mean") is not None else "-"
+        changed = f"{ch['changed']}/{ch['tasks']}" if ch else "-"
+        lr = f"{r['learning_rate']:.0e}" if r.get("learning_rate") else "-"
+        lines.append(f"| {r['round']} | {lr} | {own} | {greedy} | {delta} | {kls} | {changed} |")
+    return lines
+
+
+def type_section(rows: list[dict]) -> list[str]:
+    """Held-out success per task type, per round: champion and candidate, greedy (and sampled)."""
+    have = [r for r in rows if r.get("heldout_by_type")]
+    if not have:
+        return []
+    types = sorted({t for r in have for figures in r["heldout_by_type"].values() for by in figures.values()
+                    for t in by})
+    if len(types) < 2:
+        return []
+    lines = ["", "Held-out success per task type (champion → candidate; greedy, then sampled where played):", "",
+             "| round | " + " | ".join(types) + " |", "|---|" + "---|" * len(types)]
+    for r in have:
+        cells = []
+        for t in types:
+            parts = []
+            for metric in ("greedy", "sampled"):
+                champ = ((r["heldout_by_type"].get("champion") or {}).get(metric) or {}).get(t)
+                cand = ((r["heldout_by_type"].get("candidate") or {}).get(metric) or {}).get(t)
+                if champ:
+                    parts.append(_pct(champ["rate"]) + (f" → {_pct(cand['rate'])}" if cand else ""))
+            cells.append("; ".join(parts) or "-")
+        lines.append(f"| {r['round']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _short(h: dict | None) -> str:

@@ -98,3 +98,51 @@ def test_bad_rules_are_errors():
         sequential_decision(lambda n: (cand, champ), [2, 4], Rule("no_worse"))
     assert isinstance(sequential_decision(lambda n: (cand, champ), [2], Rule("always")), GateResult)
     assert compare(cand, champ, "paired_test").wins == 1
+
+
+def test_sign_flip_is_the_sign_test_on_greedy_outcomes_and_exact_on_counts():
+    from methods.gating import sign_flip_pvalue
+
+    for wins, losses in [(5, 0), (6, 1), (10, 2), (0, 3), (2, 2), (0, 0)]:
+        assert sign_flip_pvalue([1] * wins + [-1] * losses + [0] * 4) == sign_test_pvalue(wins, losses)
+    # |d| = 2, 1, 1, observed sum 2: of the 8 sign patterns the sums are 4, 2, 2, 0, 0, -2, -2, -4: P(S >= 2) = 3/8
+    assert sign_flip_pvalue([2, 1, -1]) == 3 / 8
+    assert sign_flip_pvalue([3]) == 1 / 2 and sign_flip_pvalue([-3]) == 1.0
+
+
+def test_sign_flip_bound_holds_for_equal_models_with_sampled_plays():
+    """Candidate and champion with the same per-task success probabilities, k = 4 independent plays each: the
+    share of 2000 simulated gates that promote at alpha = 0.05 is at most alpha (plus 3 binomial SDs of noise)."""
+    import random
+
+    from methods.gating import sign_flip_pvalue
+
+    rng, k, n, trials = random.Random(0), 4, 30, 2000
+    promoted = 0
+    for _ in range(trials):
+        ps = [rng.random() for _ in range(n)]
+        diffs = [sum(rng.random() < p for _ in range(k)) - sum(rng.random() < p for _ in range(k)) for p in ps]
+        promoted += sign_flip_pvalue(diffs) <= 0.05
+    assert promoted / trials <= 0.05 + 3 * (0.05 * 0.95 / trials) ** 0.5
+
+
+def test_detectable_gain_and_tasks_for_gain_are_inverse():
+    from methods.stats import design_sd, detectable_gain, tasks_for_gain
+
+    sd = design_sd(0.3, 4)                         # sqrt(2 * 0.3 * 0.7 / 4) = 0.324
+    assert abs(sd - (2 * 0.3 * 0.7 / 4) ** 0.5) < 1e-12
+    gain = detectable_gain(sd, 100, alpha=0.05)    # (1.645 + 0.842) * 0.324 / 10 = 0.0806
+    assert abs(gain - 0.0806) < 1e-3
+    assert tasks_for_gain(gain, sd) == 100
+    assert detectable_gain(sd, 400) == gain / 2
+
+
+def test_compare_with_sampled_counts():
+    from methods.stats import compare
+
+    ev = compare([3, 4, 0, 2], [1, 4, 1, 2], "paired_test", samples=4)
+    assert ev.candidate_rate == 9 / 16 and ev.champion_rate == 8 / 16
+    assert ev.diffs == (2, 0, -1, 0) and ev.wins == 1 and ev.losses == 1
+    assert ev.paired_diff == (0.5 + 0 - 0.25 + 0) / 4
+    with pytest.raises(ValueError, match="lie in"):
+        compare([5], [1], "paired_test", samples=4)

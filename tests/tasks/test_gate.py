@@ -46,7 +46,7 @@ def register(store, round, model_id, path, role, parent=None):
 def test_growth_plays_only_what_each_look_adds_and_reuses_the_champions_stored_results(tmp_path, scripted):
     calls, events = scripted
     cfg = load_config([TINY], tiny_overrides(tmp_path, "gate.rule=paired_test", "gate.heldout_tasks=4",
-                                             "gate.max_heldout_tasks=8"))
+                                             "gate.max_heldout_tasks=8", "diagnostics.enabled=false"))
     with Store(cfg.run.store) as store:
         store.create_run(RUN, RUN, {}, "tiny:0")
         register(store, 0, "tiny/base", "base-path", "base")

@@ -1,0 +1,49 @@
+"""The learning diagnostics on real tiny models: the KL between a model and itself is 0 and between two different
+models positive; a model compared with itself changes no greedy answer; the replay of the round's own training
+tasks plays what the config says."""
+
+import pytest
+
+from configs.schema import load_config
+from models.loading import resolve_base_model
+from stores.store import Store
+from tasks.diagnostics import learning_diagnostics
+from tasks.gate import HeldoutPlays, heldout_tasks
+from tests.conftest import TINY, tiny_overrides
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    cfg = load_config([TINY], tiny_overrides(tmp_path, "env.name=arithmetic", "env.kwargs={}", "env.max_turns=2",
+                                             "env.show_admissible=false", "env.project_actions=false",
+                                             "gate.heldout_tasks=3", "gate.samples=2", "generate.tasks_per_round=3",
+                                             "generate.group_size=2", "diagnostics.train_tasks=2",
+                                             "diagnostics.kl_tasks=3"))
+    with Store(cfg.run.store) as store:
+        store.create_run(cfg.run.name, cfg.run.name, {}, "tiny:0")
+    return cfg
+
+
+def _diagnostics(cfg, candidate_path, champion_path):
+    tasks = heldout_tasks(cfg)
+    paths = {"cand": str(candidate_path), "champ": str(champion_path)}
+    plays = HeldoutPlays(cfg, tasks, paths, {"cand": "candidate", "champ": "champion"}, "t/r1/gate", 1,
+                         {"cand": 5, "champ": 6}, 2, "test")
+    plays.play_first(3)
+    return learning_diagnostics(cfg, 1, "cand", paths["cand"], "champ", paths["champ"], plays, 3)
+
+
+def test_a_model_against_itself_has_no_kl_and_changes_nothing(cfg, tiny_path):
+    d = _diagnostics(cfg, tiny_path, tiny_path)
+    assert d["heldout_changed"] == {"tasks": 3, "changed": 0, "share": 0.0}
+    assert d["kl"]["tasks"] == 3 and d["kl"]["tokens"] > 0 and abs(d["kl"]["mean"]) < 1e-6
+    tt = d["train_tasks"]
+    assert tt["tasks"] == 2 and tt["samples"] == 2
+    assert tt["candidate_greedy"] == tt["champion_greedy"] and tt["greedy_wins"] == tt["greedy_losses"] == 0
+
+
+def test_two_different_models_differ(cfg, tiny_path, model_cache):
+    other = resolve_base_model("tiny:1", model_cache)
+    d = _diagnostics(cfg, other, tiny_path)
+    assert d["kl"]["mean"] > 0.01
+    assert d["heldout_changed"]["changed"] >= 1
