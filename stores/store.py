@@ -956,6 +956,11 @@ class Store:
                          [run_id, round, step], json_cols=("metrics",))
         return rows[0]["metrics"] if rows else None
 
+    def completed_step_metrics(self, step: str) -> list[dict]:
+        """run_id, round and metrics of every completed step named `step`, over all runs of the store."""
+        return self.rows("SELECT run_id, round, metrics FROM steps WHERE step = ? AND status = 'completed'"
+                         " ORDER BY run_id, round", [step], json_cols=("metrics",))
+
     def step_history(self, run_id: str) -> list[dict]:
         """Every step attempt's last state: round, step, status, started/finished, error."""
         return self.rows("SELECT round, step, status, started_at, finished_at, error FROM steps"

@@ -10,6 +10,9 @@ seeds). It is stored as step "test" of the run's last completed round (trajector
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 from configs.schema import Config
 from methods.stats import compare
 from tasks.common import env_factory, open_store, utcnow
@@ -26,26 +29,64 @@ def final_test_tasks(cfg: Config) -> list:
         env.close()
 
 
+def play_key(cfg: Config, tasks: list) -> str:
+    """What decides a model's plays of the test split, besides its weights: the tasks, the prompting, the backend
+    and sampling settings and the seeds. Two runs with the same key play a checkpoint identically."""
+    settings = {"tasks": [t.task_id for t in tasks], "env": cfg.env.model_dump(), "backend": cfg.backend.model_dump(),
+                "gate": {k: getattr(cfg.gate, k) for k in ("temperature", "samples", "test_seed")},
+                "dtype": cfg.model.dtype}
+    return hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _stored_outcomes(store, key: str, path: str) -> dict | None:
+    """A checkpoint's per-task test outcomes stored by any run of the store under the same play key."""
+    for row in store.completed_step_metrics("test"):
+        found = (row["metrics"] or {}).get("final_test") or {}
+        if found.get("play_key") != key:
+            continue
+        for tag, p in (found.get("paths") or {}).items():
+            if p == path and tag in (found.get("outcomes") or {}):
+                return found["outcomes"][tag]
+    return None
+
+
 def final_test(cfg: Config) -> dict:
     """Play the test split with the run's base and its champion, store it, and return the figures: per model
-    greedy (and sampled) success with intervals and per task type; the champion against the base, paired."""
+    greedy (and sampled) success with intervals and per task type; the champion against the base, paired. A
+    checkpoint that a run of the store already played under the same settings (`play_key`: e.g. the shared base
+    model of a comparison's runs) is not played again: its stored outcomes are the same plays."""
     started = utcnow()
     run_id, g = cfg.run.name, cfg.gate
     tasks = final_test_tasks(cfg)
     if not tasks:
         raise ValueError("gate.test_tasks: the env's held-out split has no task outside the gate's sample")
+    key = play_key(cfg, tasks)
     with open_store(cfg) as store:
         round = max(store.last_completed_round(run_id), 0)
         base, champion = store.base_model(run_id), store.champion(run_id)
         paths = {m: store.model_path(m) for m in dict.fromkeys((base, champion))}
+        known = {m: _stored_outcomes(store, key, p) for m, p in paths.items()}
     tags = {base: "base", champion: "champion"} if champion != base else {base: "base"}
     plays = HeldoutPlays(cfg, tasks, paths, tags, f"{run_id}/r{round}/test", g.test_seed,
                          {m: sample_seed(g.test_seed, 0, tags[m]) for m in paths}, g.samples,
                          f"final test ({len(tasks)} tasks)")
     n = len(tasks)
+    for m, outcomes in known.items():
+        if outcomes is not None:
+            plays.greedy[m] = {i: {"success": bool(x), "gen_tokens": 0, "task_type": t.task_type, "traj_id": None}
+                               for i, (x, t) in enumerate(zip(outcomes["greedy"], tasks))}
+            if g.samples and outcomes.get("sampled") is not None:
+                plays.sampled[m] = {i: {"successes": x, "plays": g.samples, "gen_tokens": 0,
+                                        "task_type": t.task_type} for i, (x, t) in enumerate(zip(outcomes["sampled"],
+                                                                                                   tasks))}
     plays.play_first(n)
+    outcomes = {tags[m]: {"greedy": [int(bool(plays.greedy[m][i]["success"])) for i in range(n)],
+                          "sampled": [plays.sampled[m][i]["successes"] for i in range(n)] if g.samples else None}
+                for m in paths}
     result = {"round": round, "tasks": n, "requested": g.test_tasks, "seed": g.test_seed, "base_id": base,
-              "champion_id": champion, "models": {tags[m]: plays.summary(m, n) for m in paths}}
+              "champion_id": champion, "models": {tags[m]: plays.summary(m, n) for m in paths},
+              "play_key": key, "paths": {tags[m]: p for m, p in paths.items()}, "outcomes": outcomes,
+              "reused": sorted(tags[m] for m, o in known.items() if o is not None)}
     if champion != base:
         paired = {"greedy": paired_figures(compare(*plays.outcomes("greedy", champion, base, n), "paired_test",
                                                    g.confidence), g.alpha)}

@@ -155,3 +155,27 @@ def test_final_test_split_is_disjoint_from_the_gate_and_never_read_by_it(tmp_pat
         # the gate's reuse reads held-out greedy plays only
         assert all("/test/" not in r["traj_id"] for r in store.eval_trajectories(RUN, "tiny/base"))
     assert any("Final test split" in line for line in final_test.describe(result))
+
+
+def test_final_test_reuses_a_checkpoint_another_run_played_under_the_same_settings(tmp_path, scripted):
+    calls, solves = scripted
+    solves["base-path"] = {"greedy": {0}, "sampled": {(0, 0)}}
+    first = _cfg(tmp_path, "gate.test_tasks=6")
+    second = _cfg(tmp_path, "gate.test_tasks=6", "run.name=other")
+    for cfg in (first, second):
+        with Store(cfg.run.store) as store:
+            store.create_run(cfg.run.name, cfg.run.name, {}, "tiny:0")
+            with store.step(cfg.run.name, 0, "register_base") as tx:
+                tx.insert("models", [{"model_id": f"{cfg.run.name}/base", "parent_id": None, "path": "base-path",
+                                      "role": "base"}])
+    one = final_test.final_test(first)
+    played = len(calls)
+    two = final_test.final_test(second)
+    assert len(calls) == played and two["reused"] == ["base"] and one["reused"] == []
+    assert two["models"] == one["models"] and two["outcomes"] == one["outcomes"]
+    third = _cfg(tmp_path, "gate.test_tasks=6", "run.name=third", "gate.test_seed=99")   # other tasks: played
+    with Store(third.run.store) as store:
+        store.create_run("third", "third", {}, "tiny:0")
+        with store.step("third", 0, "register_base") as tx:
+            tx.insert("models", [{"model_id": "third/base", "parent_id": None, "path": "base-path", "role": "base"}])
+    assert final_test.final_test(third)["reused"] == [] and len(calls) > played
