@@ -126,7 +126,7 @@ def run_overrides(args, arm: Arm, seed: int, out: Path) -> list[str]:
         from configs.schema import load_config
 
         base = load_config(args.config, list(args.set) + arm.overrides)
-        own.append(f"gate.seed={base.gate.seed + seed}")
+        own += [f"gate.seed={base.gate.seed + seed}", f"gate.test_seed={base.gate.test_seed + seed}"]
     return list(args.set) + arm.overrides + own
 
 
@@ -234,7 +234,8 @@ def merge_runs(out: Path, sources: list[Path]) -> list[str]:
 # ---- reading the store -------------------------------------------------------------------
 
 _SHOWN = {"round", "champion_before", "champion_after", "champion_heldout", "candidate_heldout", "decision",
-          "train_success", "step_seconds"}
+          "train_success", "step_seconds", "champion_sampled", "candidate_sampled", "heldout_by_type", "paired",
+          "diagnostics", "logprob_change", "replay"}
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -258,6 +259,7 @@ def run_rows(store, run_id: str) -> list[dict]:
     if not rows:
         return []
     serving = heldout_series(rows)
+    serving_sampled = heldout_series(rows, "sampled")
     rounds = {r["round"]: r for r in store.rows(
         "SELECT round, status, epoch(finished_at - started_at) AS wall_s, CAST(metrics AS VARCHAR) AS metrics"
         " FROM rounds WHERE run_id = ?", [run_id])}
@@ -265,13 +267,17 @@ def run_rows(store, run_id: str) -> list[dict]:
         "SELECT round, count(*) AS episodes, count(*) FILTER (WHERE success) AS successes,"
         " coalesce(sum(gen_tokens), 0) AS gen_tokens FROM trajectories"
         " WHERE run_id = ? AND step = 'generate' GROUP BY round", [run_id])}
-    out = [{"round": 0, "serving": serving[0][1], "candidate": None, "decision": None}]
-    for r, (_, served) in zip(rows, serving[1:]):
+    out = [{"round": 0, "serving": serving[0][1], "serving_sampled": serving_sampled[0][1], "candidate": None,
+            "decision": None}]
+    for r, (_, served), (_, served_sampled) in zip(rows, serving[1:], serving_sampled[1:]):
         meta = rounds.get(r["round"], {})
         metrics = json.loads(meta["metrics"]) if meta.get("metrics") else r
         g = gen.get(r["round"], {})
         out.append({
             "round": r["round"], "serving": served, "candidate": r["candidate_heldout"], "decision": r["decision"],
+            "serving_sampled": served_sampled, "candidate_sampled": r.get("candidate_sampled"),
+            "champion_sampled": r.get("champion_sampled"), "p_value": r.get("p_value"), "metric": r.get("metric"),
+            "detectable_gain": r.get("detectable_gain"), "learning": learning_figures(r),
             "train_episodes": g.get("episodes", 0), "train_successes": g.get("successes", 0),
             "gen_tokens": int(g.get("gen_tokens", 0)),
             "wall_s": (_round(float(meta["wall_s"]))
@@ -281,6 +287,26 @@ def run_rows(store, run_id: str) -> list[dict]:
             "extras": {k: v for k, v in _flatten({k: v for k, v in metrics.items() if k not in _SHOWN}).items()},
         })
     return out
+
+
+def learning_figures(r: dict) -> dict:
+    """A round's learning diagnostics in flat form (tasks/diagnostics.py, the trainer's logprob change)."""
+    d, lp = r.get("diagnostics") or {}, r.get("logprob_change") or {}
+    tt, kl, ch = d.get("train_tasks") or {}, d.get("kl") or {}, d.get("heldout_changed") or {}
+    return {"own_candidate": tt.get("candidate_sampled"), "own_champion": tt.get("champion_sampled"),
+            "own_p": tt.get("sampled_p_value"), "own_greedy_candidate": tt.get("candidate_greedy"),
+            "own_greedy_champion": tt.get("champion_greedy"),
+            "dlogp_pos": (lp.get("positive") or {}).get("delta"), "dlogp_neg": (lp.get("negative") or {}).get("delta"),
+            "kl": kl.get("mean"), "changed": ch.get("share"), "lr": r.get("learning_rate")}
+
+
+def collect_tests(store_path: Path, arms: list[str], seeds: list[int]) -> dict[tuple[str, int], dict | None]:
+    """Each run's stored final test (tasks/final_test.py), or None."""
+    from stores.store import Store
+    from tasks.final_test import stored_final_test
+
+    with Store(store_path, read_only=True) as store:
+        return {(arm, seed): stored_final_test(store, run_name(arm, seed)) for arm in arms for seed in seeds}
 
 
 def collect(store_path: Path, arms: list[str], seeds: list[int]) -> dict[tuple[str, int], list[dict]]:
@@ -460,6 +486,85 @@ def plot(table: list[dict], arms: list[str], path: Path, title: str) -> Path:
     return path
 
 
+def _se(h: dict) -> float:
+    """Standard error of a rate from its 95% interval."""
+    return (h["ci_high"] - h["ci_low"]) / (2 * 1.96)
+
+
+def _rates(hs: list[dict | None]) -> str:
+    return " ".join(f"{h['success_rate']:.3f}" if h else "-" for h in hs)
+
+
+def learning_markdown(data: dict, tests: dict, arms: list[str], seeds: list[int], distinct_tasks: bool) -> str:
+    """The learning tables: per arm and round the serving model's held-out success per seed (greedy k/n, sampled
+    rate), the mean over seeds and, only when every seed played its own held-out tasks (--heldout-per-seed), an
+    interval over seeds; the gate's decisions with their p-values and detectable gain; the learning diagnostics
+    (means over seeds); then the final test split per seed."""
+    lines = ["## Held-out success per round and learning diagnostics", "",
+             "serving: the model that serves after the round (round 0 = base). greedy: k/n per seed. sampled: the "
+             "mean success of the sampled plays per seed (gate.samples per task), then the mean over seeds"
+             + (" with a 95% interval from the per-seed standard errors (each seed played its own held-out tasks)"
+                if distinct_tasks else " (no pooled interval: the seeds played the same held-out tasks)")
+             + ". gate: decisions (p-values of the paired test). own tasks: the candidate vs the champion on the "
+             "round's first training tasks (sampled). Δ logp: change of the trained tokens' mean logprob for positive "
+             "/ negative advantage or weight. KL: KL(candidate ‖ champion) per action token on held-out prompts. "
+             "changed: share of held-out greedy answers the candidate changed. Diagnostics are means over seeds.", "",
+             "| arm | round | greedy per seed | sampled per seed | sampled mean"
+             + (" [95% CI]" if distinct_tasks else "")
+             + " | gate (p) | detectable gain | own tasks cand / champ | Δ logp + / - | KL | changed | lr | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for arm in arms:
+        n_rounds = max((len(data[(arm, s)]) for s in seeds), default=0)
+        for i in range(n_rounds):
+            rows = [data[(arm, s)][i] if i < len(data[(arm, s)]) else None for s in seeds]
+            present = [r for r in rows if r]
+            greedy = " ".join(f"{int(r['serving']['successes'])}/{int(r['serving']['n'])}" if r and r["serving"]
+                              else "-" for r in rows)
+            sampled = [r.get("serving_sampled") if r else None for r in rows]
+            got = [h for h in sampled if h]
+            mean = sum(h["success_rate"] for h in got) / len(got) if got else None
+            cell = _f(mean)
+            if distinct_tasks and got:
+                half = 1.96 * math.sqrt(sum(_se(h) ** 2 for h in got)) / len(got)
+                cell += f" [{mean - half:.3f}, {mean + half:.3f}]"
+            gate = ", ".join(f"{r['decision']}" + (f" ({r['p_value']:.2g})" if r.get("p_value") is not None else "")
+                             for r in present if r.get("decision")) or "-"
+            lf = [r.get("learning") or {} for r in present]
+
+            def m(key, lf=lf):
+                return _mean([x.get(key) for x in lf])
+            own = f"{_f(m('own_candidate'))} / {_f(m('own_champion'))}" if m("own_candidate") is not None else "-"
+            dlp = f"{_f(m('dlogp_pos'), '+.3f')} / {_f(m('dlogp_neg'), '+.3f')}"
+            lr = _mean([x.get("lr") for x in lf])
+            cells = [arm, str(present[0]["round"]) if present else str(i), greedy, _rates(sampled), cell, gate,
+                     _f(_mean([r.get("detectable_gain") for r in present])), own, dlp, _f(m("kl"), ".4f"),
+                     _f(m("changed")), f"{lr:.0e}" if lr else "-", _f(_mean([r.get("wall_s") for r in present]), ".0f")]
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## Final test split (never read by a promotion decision)", "",
+              "| arm | seed | promotions | base greedy | champion greedy | base sampled | champion sampled | "
+              "champion − base, sampled [95% CI] | p (one-sided) |", "|---|---|---|---|---|---|---|---|---|"]
+    for arm in arms:
+        for seed in seeds:
+            t = tests.get((arm, seed))
+            promotions = sum(r.get("decision") == "promote" for r in data[(arm, seed)])
+            if not t:
+                lines.append(f"| {arm} | {seed} | {promotions} | - | - | - | - | - | - |")
+                continue
+            mods = t["models"]
+
+            def fig(tag, metric, mods=mods):
+                f = (mods.get(tag) or {}).get(metric)
+                return f"{f['successes']}/{f['plays']} = {f['rate']:.3f}" if f else "-"
+            champ = "champion" if "champion" in mods else "base"
+            pv = (t.get("champion_vs_base") or {}).get("sampled") or (t.get("champion_vs_base") or {}).get("greedy")
+            diff = (f"{pv['paired_diff']:+.3f} [{pv['paired_diff_ci'][0]:+.3f}, {pv['paired_diff_ci'][1]:+.3f}]"
+                    if pv else "0 (the base is the champion)")
+            lines.append(f"| {arm} | {seed} | {promotions} | {fig('base', 'greedy')} | {fig(champ, 'greedy')} | "
+                         f"{fig('base', 'sampled')} | {fig(champ, 'sampled')} | {diff} | "
+                         f"{_f(pv['p_value'], '.3g') if pv else '-'} |")
+    return "\n".join(lines) + "\n"
+
+
 def report(out: Path, arms: list[str], seeds: list[int]) -> str:
     store = out / "compare.duckdb"
     if not store.exists():
@@ -473,6 +578,11 @@ def report(out: Path, arms: list[str], seeds: list[int]) -> str:
             "/ successes, pooled). wall s: the round's wall time (rounds table), mean over seeds. Further columns: "
             "the round's metrics JSON, mean over seeds.")
     md = markdown(table, extra_keys, title, note)
+    manifest = _manifest(out) or {}
+    learning = learning_markdown(data, collect_tests(store, arms, seeds), arms, seeds,
+                                 bool(manifest.get("heldout_per_seed")))
+    (out / "learning.md").write_text(learning)
+    md = learning + "\n" + md
     (out / "table.md").write_text(md)
     write_csv(table, extra_keys, out / "table.csv")
     write_runs_csv(data, extra_keys, out / "runs.csv")

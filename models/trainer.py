@@ -32,7 +32,8 @@ so only action tokens get the loss and the trajectory's advantage.
   steps are misaligned. `passes` optimisation passes run over the round's rows (epochs; minibatches of
   `batch_size × grad_accum` trajectories per optimizer step), each ratio taken against π_old and clipped.
   The β-KL reference is the same champion (TRL's reference model is the initial policy), so its logprobs
-  are π_old's.
+  are π_old's; or, with PolicyLoss.reference "base", the run's base model (train_candidate's
+  `reference_path`), scored once before training by the same call (`prepare_reference`).
 - Rollout/trainer mismatch (methods/grpo.py): k = π_old / π_sample per sampled token, with π_sample the
   sampler's logprob after temperature only; the correction weight w (TIS, CIS or mask) multiplies the
   token's policy loss, as TRL's vLLM importance-sampling correction does, by entering the advantage as a
@@ -45,6 +46,7 @@ so only action tokens get the loss and the trajectory's advantage.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import random
@@ -275,6 +277,12 @@ class PolicyLoss:
     temperature: float = 1.0           # the sampler's temperature: the trainer's logits are divided by it
     correction: Correction = field(default_factory=Correction)
     skip_zero_advantage: bool = True   # with beta = 0 a zero-advantage row has zero gradient: don't compute it
+    reference: str = "champion"        # the β-KL reference: champion (π_old) or base (train_candidate's reference_path)
+    reference_path: str | None = None  # the reference's checkpoint when it is not π_old (set by train_candidate)
+
+    def __post_init__(self):
+        if self.reference not in ("champion", "base"):
+            raise ValueError(f"PolicyLoss.reference must be 'champion' or 'base', not {self.reference!r}")
 
 
 def encode_pg_rows(tokenizer, rows: list[dict], max_length: int) -> tuple[list[dict], dict[str, int]]:
@@ -335,7 +343,9 @@ def collate_pg(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     }
     if "old_logps" in rows[0]:
         batch["old_per_token_logps"] = _pad([r["old_logps"] for r in rows], 0.0, dtype=torch.float32)
-        batch["ref_per_token_logps"] = batch["old_per_token_logps"]  # the reference is the initial policy
+        # the reference is the initial policy π_old, unless another model's logprobs were attached (prepare_reference)
+        batch["ref_per_token_logps"] = (_pad([r["ref_logps"] for r in rows], 0.0, dtype=torch.float32)
+                                        if "ref_logps" in rows[0] else batch["old_per_token_logps"])
         weights = _pad([r["weights"] for r in rows], 0.0, dtype=torch.float32)
         adv = torch.tensor([r["advantage"] for r in rows], dtype=torch.float32)
         batch["advantages"] = adv[:, None] * weights
@@ -371,32 +381,66 @@ class StoredRolloutGRPOTrainer(RowLoss, GRPOTrainer):
 
     # ---- data: the stored rows instead of TRL's generation ----------------------------------------
 
+    def _completion_logps(self, model, device) -> list[tuple[list[dict], list[list[float]]]]:
+        """(rows, their per-completion-token logprobs) for the pg rows in chunks of the micro-batch size: TRL's own
+        scoring (`_get_per_token_logps_and_entropies`: the fused LM head, logits / policy.temperature), no grad."""
+        bs, pad = self.args.per_device_train_batch_size, self.processing_class.pad_token_id
+        out = []
+        with torch.no_grad():
+            for start in range(0, len(self.pg_rows), bs):
+                chunk = self.pg_rows[start:start + bs]
+                b = collate_pg(chunk, pad)
+                ids = torch.cat([b["prompt_ids"], b["completion_ids"]], 1).to(device)
+                mask = torch.cat([b["prompt_mask"], b["completion_mask"]], 1).to(device)
+                logps, _, _ = self._get_per_token_logps_and_entropies(model, ids, mask, b["completion_ids"].size(1))
+                out.append((chunk, [lp[:len(r["completion_ids"])]
+                                    for r, lp in zip(chunk, logps.float().cpu().tolist())]))
+        return out
+
     def prepare_old_policy(self) -> dict[str, Any]:
         """π_old (and the reference) per completion token, and the mismatch weights; returns the round's
         mismatch statistics. Called once before training, with the champion's weights."""
-        model, pad = self.model, self.processing_class.pad_token_id
+        model = self.model
         train_lp, sample_lp, weights, capped = [], [], [], []
         model.eval()
-        with torch.no_grad():
-            for start in range(0, len(self.pg_rows), self.args.per_device_train_batch_size):
-                chunk = self.pg_rows[start:start + self.args.per_device_train_batch_size]
-                b = collate_pg(chunk, pad)
-                ids = torch.cat([b["prompt_ids"], b["completion_ids"]], 1).to(model.device)
-                mask = torch.cat([b["prompt_mask"], b["completion_mask"]], 1).to(model.device)
-                logps, _, _ = self._get_per_token_logps_and_entropies(model, ids, mask, b["completion_ids"].size(1))
-                for r, lp in zip(chunk, logps.float().cpu().tolist()):
-                    r["old_logps"] = lp[:len(r["completion_ids"])]
-                    r["weights"] = []
-                    for t, s, m in zip(r["old_logps"], r["sample_logps"], r["action_mask"]):
-                        w, c = correction_weight(t, s, self.policy.correction) if m else (1.0, False)
-                        r["weights"].append(w)
-                        if m:
-                            train_lp.append(t)
-                            sample_lp.append(s)
-                            weights.append(w)
-                            capped.append(c)
+        for chunk, chunk_lps in self._completion_logps(model, model.device):
+            for r, lp in zip(chunk, chunk_lps):
+                r["old_logps"] = lp
+                r["weights"] = []
+                for t, s, m in zip(r["old_logps"], r["sample_logps"], r["action_mask"]):
+                    w, c = correction_weight(t, s, self.policy.correction) if m else (1.0, False)
+                    r["weights"].append(w)
+                    if m:
+                        train_lp.append(t)
+                        sample_lp.append(s)
+                        weights.append(w)
+                        capped.append(c)
         model.train()
         return mismatch_stats(train_lp, sample_lp, weights, capped)
+
+    def prepare_reference(self, path: str | Path, dtype: str = "float32", trust_remote_code: bool = False) -> None:
+        """The β-KL reference per completion token from another checkpoint (`path`, e.g. the run's base model) instead
+        of π_old: loaded in `dtype`, given TRL's fused LM head at the trainer's temperature and scored by the same
+        call as π_old (prepare_old_policy), so the KL compares like with like; freed afterwards. Each pg row gets
+        `ref_logps`, which collate_pg puts into `ref_per_token_logps`."""
+        from trl.trainer.utils import add_fused_lm_head
+
+        ref, _ = load_model_and_tokenizer(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        own = self.model.get_output_embeddings().weight.shape[0]
+        if ref.get_output_embeddings().weight.shape[0] != own:
+            raise ValueError(f"the KL reference {str(path)!r} has {ref.get_output_embeddings().weight.shape[0]} output "
+                             f"tokens, the policy {own}: not the same tokenizer")
+        add_fused_lm_head(ref, temperature=self.temperature, cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32)
+        device = self.accelerator.device
+        ref.requires_grad_(False).eval().to(device)
+        try:
+            for chunk, chunk_lps in self._completion_logps(ref, device):
+                for r, lp in zip(chunk, chunk_lps):
+                    r["ref_logps"] = lp
+        finally:
+            del ref
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     def get_train_dataloader(self) -> DataLoader:
         """Micro-batches of `per_device_train_batch_size` pg rows (reshuffled every pass), each carrying an equal
@@ -456,8 +500,11 @@ class StoredRolloutGRPOTrainer(RowLoss, GRPOTrainer):
         loss = self._compute_loss(model, pg)  # TRL's GRPO loss, scaled for gradient accumulation by TRL
         mode = "train" if self.model.training else "eval"
         clip = self._metrics[mode].get("clip_ratio/region_mean") or [math.nan]
-        self.pg_log.append({**self._step_key(), "pg_loss": float(loss.detach()) * self._micro_batches(),
-                            "clip_ratio": clip[-1], "tokens": float(pg["tool_mask"].sum())})
+        entry = {**self._step_key(), "pg_loss": float(loss.detach()) * self._micro_batches(), "clip_ratio": clip[-1],
+                 "tokens": float(pg["tool_mask"].sum())}
+        if self.beta != 0.0:  # TRL's token-mean KL(π ‖ π_ref) estimate of this micro-batch
+            entry["kl"] = (self._metrics[mode].get("kl") or [math.nan])[-1]
+        self.pg_log.append(entry)
         if "aux" in inputs:
             aux_loss, _ = self._rows_loss(model, inputs["aux"])
             loss = loss + aux_loss
@@ -540,6 +587,74 @@ class BestValidationCallback(TrainerCallback):
     def restore(self, model) -> None:
         if self.best is not None:
             model.load_state_dict(self.best)
+
+
+def _sign_group(x: float) -> str:
+    return "positive" if x > 0 else "negative" if x < 0 else "zero"
+
+
+def trained_sequences(sft: list[dict], pg: list[dict]) -> tuple[list[str], list[tuple[list[int], list[int]]]]:
+    """The rows the loss trains, for `trained_token_logprobs`: per row its sign group ("positive" / "negative" /
+    "zero": an SFT row's weight, a pg row's advantage) and (token ids, positions of its trained tokens): an SFT row's
+    labelled tokens (label != -100, after the first token: the loss is on labels[1:]), a pg row's completion tokens
+    with action mask 1. Distillation rows are not included (their target is the teacher's distribution, not the
+    tokens)."""
+    groups, seqs = [], []
+    for r in sft:
+        groups.append(_sign_group(float(r.get("weight", 1.0))))
+        seqs.append((list(r["input_ids"]), [i for i, lab in enumerate(r["labels"]) if lab != -100 and i > 0]))
+    for r in pg:
+        p = len(r["prompt_ids"])
+        groups.append(_sign_group(float(r["advantage"])))
+        seqs.append((list(r["prompt_ids"]) + list(r["completion_ids"]),
+                     [p + j for j, m in enumerate(r["action_mask"]) if m]))
+    return groups, seqs
+
+
+@torch.no_grad()
+def trained_token_logprobs(model, seqs: list[tuple[list[int], list[int]]], pad_id: int,
+                           batch_size: int) -> list[tuple[float, int]]:
+    """Per sequence (token ids, positions): Σ_p log p(ids[p] | ids[:p]) over the positions and their count, under
+    `model`'s current weights: the plain log_softmax of its logits (temperature 1, no top-p), no grad, eval mode,
+    in batches of `batch_size` (right-padded); the model's train/eval mode is restored afterwards."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    out = []
+    try:
+        for i in range(0, len(seqs), max(batch_size, 1)):
+            batch = seqs[i:i + batch_size]
+            ids = _pad([s[0] for s in batch], pad_id).to(device)
+            mask = _pad([[1] * len(s[0]) for s in batch], 0).to(device)
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            for b, (_, positions) in enumerate(batch):
+                if not positions:
+                    out.append((0.0, 0))
+                    continue
+                pos = torch.tensor(positions, device=logits.device)
+                logp = torch.log_softmax(logits[b, pos - 1].float(), -1).gather(-1, ids[b, pos][:, None].to(
+                    logits.device))
+                out.append((float(logp.sum()), len(positions)))
+    finally:
+        model.train(was_training)
+    return out
+
+
+def logprob_change(groups: list[str], before: list[tuple[float, int]],
+                   after: list[tuple[float, int]]) -> dict[str, dict[str, float]]:
+    """A learning diagnostic: how the trained tokens' log-probability moved, by the sign of what trained them. Per
+    group (positive / negative / zero; only groups with trained tokens) its rows, tokens and the token-mean logprob
+    of those tokens before (the parent's weights) and after training (the weights saved), and delta = after -
+    before. SFT on positive weights and positive advantages should raise it, negative advantages lower it."""
+    out: dict[str, dict[str, float]] = {}
+    for name in ("positive", "negative", "zero"):
+        idx = [i for i, g in enumerate(groups) if g == name and before[i][1]]
+        tokens = sum(before[i][1] for i in idx)
+        if not tokens:
+            continue
+        b, a = sum(before[i][0] for i in idx) / tokens, sum(after[i][0] for i in idx) / tokens
+        out[name] = {"rows": len(idx), "tokens": tokens, "before": b, "after": a, "delta": a - b}
+    return out
 
 
 def _is_main_process() -> bool:
@@ -630,6 +745,7 @@ def train_candidate(
     trust_remote_code: bool = False,
     log_dir: str | Path | None = None,
     run_name: str | None = None,
+    reference_path: str | Path | None = None,
 ) -> tuple[dict[str, Any], list]:
     """Train a candidate from `model_path` on training rows (kind "sft", "distill" or "pg") and save a full
     checkpoint (LoRA merged) to `out_dir`. With "pg" rows the trainer is `StoredRolloutGRPOTrainer` (TRL's
@@ -650,11 +766,28 @@ def train_candidate(
     Training metrics go to the trackers of `cfg.report_to` (TRL's report_to) under `run_name`; TensorBoard writes
     its event files into `log_dir`. The trainer's own output folder is temporary: it saves no checkpoint (the
     candidate is saved to `out_dir` once, at the end).
+
+    `reference_path`: the run's base model checkpoint, the β-KL reference of the pg rows when `policy.reference` is
+    "base" (and `policy.beta` > 0): its per-token logprobs replace π_old's in TRL's KL term. Ignored with reference
+    "champion" (the KL is then to π_old, the round's champion) or beta 0; reference "base" with beta > 0 and pg rows
+    but no `reference_path` is an error. Metrics: with beta > 0, `kl_mean` (TRL's token-mean KL estimate, mean over
+    micro-batches) and `kl` in every pg_steps_log entry.
+
+    `logprob_change` (metrics; one process only, absent under `accelerate launch`: the diagnostic is skipped there):
+    the token-mean logprob of the trained tokens (SFT rows' labelled tokens, pg rows' action tokens; not distillation
+    rows) under the parent's weights and under the weights saved, by the sign of the row's weight (SFT) or advantage
+    (pg): {"positive": {"rows", "tokens", "before", "after", "delta"}, "negative": {...}, "zero": {...}}, only the
+    groups that have rows (see `logprob_change`).
     """
     from datasets import Dataset
 
-    model, tokenizer = load_model_and_tokenizer(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
     policy = policy or PolicyLoss()
+    if policy.reference == "base" and policy.beta > 0 and any(r.get("kind") == "pg" for r in rows):
+        if reference_path is None:
+            raise ValueError("policy.reference is 'base' with beta > 0 but train_candidate got no reference_path "
+                             "(the run's base model checkpoint)")
+        policy = dataclasses.replace(policy, reference_path=str(reference_path))
+    model, tokenizer = load_model_and_tokenizer(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
     validation_in = [r for r in rows if r.get("validation")]
     rows = [r for r in rows if not r.get("validation")]
     if validation_in and any(r.get("kind") == "pg" for r in rows):
@@ -701,6 +834,8 @@ def train_candidate(
                                            callbacks=callbacks, pg_rows=pg, aux_rows=encoded, policy=policy,
                                            distill=distill)
         mismatch = trainer.prepare_old_policy()
+        if policy.beta > 0 and policy.reference_path:
+            trainer.prepare_reference(policy.reference_path, dtype, trust_remote_code)
         metrics.update({f"mismatch_{k}": v for k, v in mismatch.items()}, correction=policy.correction.mode)
         used_ids = [r["example_id"] for r in pg] + [r["example_id"] for r in encoded]
     else:
@@ -731,6 +866,11 @@ def train_candidate(
                                peft_config=peft_config, callbacks=(callbacks or []) + ([best] if best else []),
                                data_collator=RowCollator(pad_token_id=tokenizer.pad_token_id), distill=distill)
     _log_to(trainer, log_dir)
+    # the learning diagnostic (logprob_change): one process only; under accelerate launch it is skipped
+    diagnose = trainer.accelerator.num_processes == 1
+    if diagnose:
+        groups, seqs = trained_sequences(sft, pg)
+        before = trained_token_logprobs(trainer.model, seqs, tokenizer.pad_token_id, cfg.batch_size)
     result = trainer.train()
     trainer_dir.cleanup()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -744,6 +884,9 @@ def train_candidate(
     if cfg.lora.enabled:
         trained = trained.merge_and_unload()
     trained.eval()
+    if diagnose:  # the weights saved: after the LoRA merge and the best-validation restore
+        after = trained_token_logprobs(trained, seqs, tokenizer.pad_token_id, cfg.batch_size)
+        metrics["logprob_change"] = logprob_change(groups, before, after)
     if trainer.accelerator.is_main_process:  # under accelerate launch only rank 0 writes the candidate
         save_checkpoint(trained, tokenizer, out_dir)
     trainer.accelerator.wait_for_everyone()
@@ -760,6 +903,9 @@ def train_candidate(
     if pg:
         log = trainer.pg_log
         clips = [h["clip_ratio"] for h in log if not math.isnan(h["clip_ratio"])]
+        kls = [h["kl"] for h in log if "kl" in h and not math.isnan(h["kl"])]
+        if policy.beta > 0:
+            metrics.update(kl_mean=sum(kls) / len(kls) if kls else None, reference=policy.reference)
         metrics.update(pg_loss_mean=sum(h["pg_loss"] for h in log) / len(log) if log else None,
                        clip_ratio_mean=sum(clips) / len(clips) if clips else None, passes=policy.passes,
                        pg_steps_log=[{k: round(v, 6) for k, v in h.items()} for h in log])

@@ -70,7 +70,10 @@ class GRPO(Method):
         return PolicyLoss(loss_type=c.loss_type, epsilon=c.epsilon, epsilon_high=c.epsilon_high, beta=c.beta,
                           passes=c.passes, temperature=self.cfg.backend.temperature or 1.0,
                           correction=Correction(c.correction, c.tis_cap, c.cis_lambda, c.cis_kappa),
-                          skip_zero_advantage=c.skip_zero_advantage)
+                          skip_zero_advantage=c.skip_zero_advantage,
+                          # "base": tasks/train.py passes the base model's checkpoint as train_candidate's
+                          # reference_path (the path is not known here)
+                          reference=c.reference)
 
     @classmethod
     def round_metrics(cls, distill_metrics: dict | None, train_metrics: dict) -> dict | None:
