@@ -229,6 +229,16 @@ class ExitConfig(_Section):
     min_reward: float = Field(1.0, description="Trajectories with at least this reward (and success) become SFT "
         "examples.")
     dedupe: bool = Field(True, description="Keep one example per distinct action sequence of a task.")
+    valid_turns_only: bool = Field(True, description="In a successful trajectory, an action the env did not accept "
+        "(its turn's valid flag false, e.g. a first reply without an answer before a corrected one) stays in the "
+        "conversation as context but is not trained on (its message index goes to the example's meta.untrained); a "
+        "trajectory with no valid action of its own left gives no example. false = train on every action of a "
+        "success.")
+    groups: Literal["all", "mixed"] = Field("all", description="Which groups (a task's rollouts of the round, one "
+        "group_id) give examples. all: every success. mixed: only successes of groups that also have a failure "
+        "(tasks at the edge of the model's ability; an all-pass group teaches what the model already does).")
+    max_per_type: int | None = Field(None, ge=1, description="Most examples per task type per round (balances the "
+        "types; the first ones by traj_id are kept, after the other filters). null = no cap.")
 
 
 class SrdConfig(_Section):
@@ -455,15 +465,40 @@ class LoraConfig(_Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout.")
 
 
+class ReplayConfig(_Section):
+    """A replay buffer of verified experience across rounds: the replayable examples (methods whose examples stay
+    valid training rows in later rounds, e.g. ExIt's verified successes; never GRPO's, whose advantages and sampling
+    logprobs belong to the policy that sampled them) of earlier rounds join this round's training rows."""
+
+    rounds: int | None = Field(0, ge=0, description="Earlier rounds of the run whose replayable examples join this "
+        "round's training rows: 0 = off (this round's examples only); e.g. 3 = the 3 rounds before this one; "
+        "null = every earlier round.")
+    per_task: int | None = Field(4, ge=1, description="Most examples of one task in the buffer (this round's count "
+        "and are always kept; replayed ones are taken newest round first until the cap). null = no cap.")
+    dedupe: bool = Field(True, description="One example per (task, action sequence) over the whole buffer: a replayed "
+        "example that repeats one of this round's, or a newer replayed one, is dropped.")
+
+
 class TrainConfig(_Section):
-    learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate.")
+    learning_rate: float | None = Field(None, gt=0, description="Peak learning rate. null = the objective's "
+        "default: 1e-5 for a round without policy-gradient rows (SFT, distillation), 1e-6 when the round's rows "
+        "include policy-gradient (GRPO) rows (TRL's GRPOConfig default). The value used is recorded in the train "
+        "metrics and the model card.")
     epochs: float = Field(2.0, gt=0, le=1000, description="Passes over the round's examples (at most 1000).")
     batch_size: int = Field(4, ge=1, description="Examples per device step.")
     grad_accum: int = Field(1, ge=1, description="Gradient accumulation steps.")
     max_length: int = Field(2048, ge=16, description="Longest training sequence in tokens; longer examples are "
         "dropped and counted.")
-    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="Share of steps for linear warmup.")
-    lr_scheduler: str = Field("constant", description="transformers scheduler name ('constant', 'cosine', 'linear').")
+    warmup_ratio: float = Field(0.1, ge=0.0, lt=1.0, description="Share of the training steps over which the "
+        "learning rate rises linearly from 0 to its peak.")
+    lr_scheduler: str = Field("cosine", description="transformers scheduler name of the learning rate after warm-up "
+        "('cosine': decays to 0 over the remaining steps, 'constant', 'linear').")
+    init: Literal["champion", "base"] = Field("champion", description="What the candidate is trained from. champion: "
+        "the current champion, on this round's rows (and the replay buffer). base: the run's base model on the same "
+        "rows (ReST-EM: restart from the base every round on all the data; use with replay.rounds null). The "
+        "candidate's parent (models.parent_id, model card) is the model it was trained from.")
+    replay: ReplayConfig = Field(default_factory=ReplayConfig, description="Replay buffer of verified experience "
+        "from earlier rounds.")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="Optional LoRA training.")
     report_to: list[Literal["tensorboard", "wandb", "trackio", "mlflow", "comet_ml", "neptune", "clearml", "dvclive",
                             "swanlab", "azure_ml", "codecarbon", "dagshub", "flyte", "kubeflow"]] = Field(
@@ -487,6 +522,13 @@ class TrainConfig(_Section):
     main_process_port: int | None = Field(None, ge=1, le=65535, description="Port of the rank-0 process's rendezvous "
         "(accelerate's --main_process_port). null = a free port on this machine (single machine), or the "
         "accelerate_config's main_process_port.")
+
+    def resolved_learning_rate(self, policy_gradient: bool) -> float:
+        """The peak learning rate a round trains at: `learning_rate`, or where it is null the objective's default
+        (1e-6 when the round's rows include policy-gradient rows, else 1e-5)."""
+        if self.learning_rate is not None:
+            return self.learning_rate
+        return 1e-6 if policy_gradient else 1e-5
 
     @model_validator(mode="after")
     def _accelerate_config_matches(self) -> TrainConfig:

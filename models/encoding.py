@@ -2,7 +2,8 @@
 
 A training row is a dict with `example_id`, `weight` and a `kind` the trainer knows:
 - "sft": `messages` and `train_from`: the loss is on the assistant messages at index >= train_from
-  (earlier ones, e.g. few-shot demonstrations, are prompt);
+  (earlier ones, e.g. few-shot demonstrations, are prompt), except those whose indices are in the optional
+  `untrained` (context, not trained: e.g. an action the env did not accept before a corrected one);
 - "distill": `student` and `teacher` conversations and `train_from` (privileged-teacher
   distillation, METHODS.md §0): the completion (assistant messages at index >= train_from) is
   scored under both prompts; optional `completion_ids` / `sampling_logprobs` of the sampled tokens.
@@ -33,13 +34,14 @@ def _render(tokenizer, messages: list[dict], generation_prompt: bool, tools: lis
 
 
 def tokenize_conversation(tokenizer, messages: list[dict], train_from: int = 0,
-                          tools: list[dict] | None = None) -> dict[str, list[int]]:
+                          tools: list[dict] | None = None, untrained=()) -> dict[str, list[int]]:
     """input_ids of the whole conversation; labels = input_ids on the spans of assistant messages at
-    index >= `train_from`, -100 elsewhere."""
+    index >= `train_from` and not in `untrained` (message indices left unlabelled), -100 elsewhere."""
     full = _render(tokenizer, messages, False, tools)
     labels = [-100] * len(full)
+    skip = {int(i) for i in untrained or ()}
     for i, m in enumerate(messages):
-        if m["role"] != "assistant" or i < train_from:
+        if m["role"] != "assistant" or i < train_from or i in skip:
             continue
         prompt = _render(tokenizer, messages[:i], True, tools)
         start, end = len(prompt), len(_render(tokenizer, messages[: i + 1], False, tools))
@@ -94,7 +96,8 @@ def encode_rows(tokenizer, rows: list[dict], max_length: int) -> tuple[list[dict
     for row in rows:
         kind, tools = row.get("kind", "sft"), row.get("tools")
         if kind == "sft":
-            enc = tokenize_conversation(tokenizer, row["messages"], int(row.get("train_from") or 0), tools)
+            enc = tokenize_conversation(tokenizer, row["messages"], int(row.get("train_from") or 0), tools,
+                                        row.get("untrained") or ())
             enc.update(teacher_input_ids=[], student_pos=[], teacher_pos=[], sampled_logprobs=[])
         elif kind == "distill":
             try:

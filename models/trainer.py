@@ -526,7 +526,7 @@ def grpo_args(cfg, policy: PolicyLoss, out_dir: str, seed: int, n_rows: int, use
     not above train.batch_size (every micro-batch full); TRL's sampling settings are unused."""
     bs = max(d for d in range(1, min(cfg.batch_size, n_rows) + 1) if n_rows % d == 0)
     return GRPOConfig(
-        output_dir=out_dir, learning_rate=cfg.learning_rate, num_train_epochs=policy.passes,
+        output_dir=out_dir, learning_rate=cfg.resolved_learning_rate(True), num_train_epochs=policy.passes,
         per_device_train_batch_size=bs, gradient_accumulation_steps=cfg.grad_accum,
         steps_per_generation=2 * cfg.grad_accum, num_generations=2,  # TRL's checks; generation is replaced
         loss_type=policy.loss_type, epsilon=policy.epsilon, epsilon_high=policy.epsilon_high, beta=0.0,
@@ -841,7 +841,7 @@ def train_candidate(
     else:
         args = SFTConfig(
             output_dir=trainer_dir.name,
-            learning_rate=cfg.learning_rate,
+            learning_rate=cfg.resolved_learning_rate(False),
             num_train_epochs=cfg.epochs,
             per_device_train_batch_size=cfg.batch_size,
             gradient_accumulation_steps=cfg.grad_accum,

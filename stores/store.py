@@ -1051,3 +1051,31 @@ class Store:
                 if row[col] is not None:
                     row[col] = json.loads(row[col])
         return rows
+
+    # ---- replay buffer (train step) -----------------------------------------------------------
+
+    def examples_before(self, run_id: str, round: int, method: str, first_round: int | None = None) -> list[dict]:
+        """A method's examples of the run's rounds before `round` (from `first_round` on; None = every earlier
+        round), newest round first (then by example_id): example_id, round, method, weight, source_traj_id, meta
+        (parsed), messages (role/content dicts, as `examples_dataset` gives them) and the source trajectory's
+        task_id (None when the trajectory is not in the store)."""
+        sql = ("SELECT e.example_id, e.round, e.method, e.weight, e.source_traj_id, CAST(e.meta AS VARCHAR) AS meta,"
+               " CAST(e.messages AS VARCHAR) AS messages, t.task_id"
+               " FROM examples e LEFT JOIN trajectories t ON t.traj_id = e.source_traj_id AND t.run_id = e.run_id"
+               " WHERE e.run_id = ? AND e.method = ? AND e.round < ?")
+        params: list = [run_id, method, round]
+        if first_round is not None:
+            sql += " AND e.round >= ?"
+            params.append(first_round)
+        rows = self.rows(sql + " ORDER BY e.round DESC, e.example_id", params, json_cols=("meta", "messages"))
+        for r in rows:
+            r["messages"] = [{"role": m.get("role"), "content": m.get("content")} for m in r["messages"] or []]
+        return rows
+
+    def example_task_ids(self, run_id: str, round: int) -> dict[str, str | None]:
+        """The task of each example of the round (example_id -> its source trajectory's task_id, None when the
+        trajectory is not in the store)."""
+        rows = self.rows("SELECT e.example_id, t.task_id FROM examples e LEFT JOIN trajectories t"
+                         " ON t.traj_id = e.source_traj_id AND t.run_id = e.run_id"
+                         " WHERE e.run_id = ? AND e.round = ?", [run_id, round])
+        return {r["example_id"]: r["task_id"] for r in rows}

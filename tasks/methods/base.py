@@ -109,6 +109,11 @@ class Method:
     # Its training reads the sampler's temperature-only logprobs (Generation.temp_logprobs): a backend that must
     # pay for them (vLLM at top_p < 1, `score_temp_logprobs: auto`) computes them only when a method says so.
     uses_temp_logprobs: ClassVar[bool] = False
+    # Its examples are verified experience whose training rows stay valid in later rounds (SFT on verified successes,
+    # e.g. ExIt): the train step's replay buffer (train.replay) gives its examples of earlier rounds to its
+    # `training_rows` with the round's own. False (the default) for rows tied to the policy that sampled them (GRPO's
+    # advantages and sampling logprobs, privileged-teacher pairs scored on the champion's own samples).
+    replayable: ClassVar[bool] = False
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -122,10 +127,13 @@ class Method:
         raise NotImplementedError
 
     def training_rows(self, store, run_id: str, round: int, examples: list[dict]) -> list[dict]:
-        """Training rows (models/encoding.py) for this method's examples of the round. Default: each
-        example is an SFT row on its messages (loss from meta.train_from on) with its weight."""
+        """Training rows (models/encoding.py) for this method's examples of the round (and, for a `replayable`
+        method, its replayed examples of earlier rounds). Default: each example is an SFT row on its messages (loss
+        from meta.train_from on, except the assistant messages listed in meta.untrained: row key `untrained`) with
+        its weight."""
         return [{"kind": "sft", "example_id": e["example_id"], "messages": e["messages"], "weight": e["weight"],
-                 "train_from": (e["meta"] or {}).get("train_from", 0), "tools": (e["meta"] or {}).get("tools")}
+                 "train_from": (e["meta"] or {}).get("train_from", 0), "tools": (e["meta"] or {}).get("tools"),
+                 "untrained": list((e["meta"] or {}).get("untrained") or [])}
                 for e in examples]
 
     def assess(self, ctx: AssessContext) -> Contribution | None:

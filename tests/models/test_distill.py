@@ -187,7 +187,9 @@ def test_the_loss_does_not_grow_with_gradient_accumulation(tiny_path, tmp_path, 
     loss = DistillLoss(loss_weight=50.0, ema_rate=0.0, top_k=16, is_clip=None)
     params = {}
     for name, batch, accum in (("one", 4, 1), ("accum", 2, 2)):
-        cfg = TrainConfig(learning_rate=1e-3, epochs=1, batch_size=batch, grad_accum=accum)
+        # one step: no warm-up (the default's first step is at learning rate 0)
+        cfg = TrainConfig(learning_rate=1e-3, epochs=1, batch_size=batch, grad_accum=accum, warmup_ratio=0.0,
+                          lr_scheduler="constant")
         metrics, _ = train_candidate(tiny_path, rows, tmp_path / name, cfg, distill=loss, seed=0)
         assert metrics["steps"] == 1
         params[name], _ = load_model_and_tokenizer(tmp_path / name)
