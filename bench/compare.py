@@ -399,14 +399,19 @@ def _tps(row) -> float | None:
     return row["gen_tokens"] / row["train_successes"] if row["train_successes"] else None
 
 
-def _pooled_text(p: dict | None) -> str:
+def _pooled_text(p: dict | None, interval: bool = True) -> str:
     if not p:
         return "-"
-    return f"{p['k']}/{p['n']} = {p['rate']:.3f} [{p['ci_low']:.3f}, {p['ci_high']:.3f}]"
+    text = f"{p['k']}/{p['n']} = {p['rate']:.3f}"
+    return text + f" [{p['ci_low']:.3f}, {p['ci_high']:.3f}]" if interval else text
 
 
-def markdown(table: list[dict], extra_keys: list[str], title: str, note: str) -> str:
-    head = ["arm", "round", "held-out per seed", "held-out pooled [95% CI]", "mean", "candidate pooled [95% CI]",
+def markdown(table: list[dict], extra_keys: list[str], title: str, note: str, distinct_tasks: bool = True) -> str:
+    """The per-round table. A pooled interval over seeds is shown only when every seed played its own held-out
+    tasks (`distinct_tasks`); otherwise the seeds' repeats of one task are not independent evidence and the pooled
+    cell gives the count only."""
+    pooled = "held-out pooled [95% CI]" if distinct_tasks else "held-out over seeds (same tasks: no interval)"
+    head = ["arm", "round", "held-out per seed", pooled, "mean", "candidate " + pooled.removeprefix("held-out "),
             "gate", "train success", "tokens/success", "wall s", *extra_keys]
     lines = [f"# {title}", "", note, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table:
@@ -414,8 +419,9 @@ def markdown(table: list[dict], extra_keys: list[str], title: str, note: str) ->
         dec = ", ".join(f"{d}×{c}" for d, c in r["decisions"].items()) or "-"
         ts = (f"{r['train_successes']}/{r['train_episodes']}" if r["train_episodes"] else "-")
         tps = _tps(r)
-        cells = [r["arm"], str(r["round"]), per, _pooled_text(r["serving"]),
-                 _f(r["serving"]["mean"]) if r["serving"] else "-", _pooled_text(r["candidate"]), dec, ts,
+        cells = [r["arm"], str(r["round"]), per, _pooled_text(r["serving"], distinct_tasks),
+                 _f(r["serving"]["mean"]) if r["serving"] else "-", _pooled_text(r["candidate"], distinct_tasks),
+                 dec, ts,
                  f"{tps:.0f}" if tps is not None else ("∞" if r["train_episodes"] else "-"),
                  _f(r["wall_s"], ".0f"), *[_f(r["extras"].get(k)) for k in extra_keys]]
         lines.append("| " + " | ".join(cells) + " |")
@@ -573,14 +579,15 @@ def report(out: Path, arms: list[str], seeds: list[int]) -> str:
     table, extra_keys = aggregate(data, arms, seeds)
     title = f"bench.compare: {', '.join(arms)} × seeds {','.join(map(str, seeds))}"
     note = ("held-out: the serving model (round 0 = base; then the champion after each round's gate), greedy; "
-            "per seed k/n, pooled over seeds with a 95% Wilson interval, mean over seeds. candidate: the round's "
+            "per seed k/n, over seeds (a 95% Wilson interval only when each seed played its own held-out tasks), "
+            "mean over seeds. candidate: the round's "
             "trained candidate. train success / tokens per success: the round's training rollouts (generated tokens "
             "/ successes, pooled). wall s: the round's wall time (rounds table), mean over seeds. Further columns: "
             "the round's metrics JSON, mean over seeds.")
-    md = markdown(table, extra_keys, title, note)
     manifest = _manifest(out) or {}
-    learning = learning_markdown(data, collect_tests(store, arms, seeds), arms, seeds,
-                                 bool(manifest.get("heldout_per_seed")))
+    distinct = bool(manifest.get("heldout_per_seed"))
+    md = markdown(table, extra_keys, title, note, distinct)
+    learning = learning_markdown(data, collect_tests(store, arms, seeds), arms, seeds, distinct)
     (out / "learning.md").write_text(learning)
     md = learning + "\n" + md
     (out / "table.md").write_text(md)
