@@ -22,9 +22,12 @@ to <out>/logs/<run>.log. Running the same command again skips runs the store alr
 all their rounds and resumes unfinished ones (`rsiflow run` continues a run by name).
 
 Then the store is read (read-only) and written as
+- <out>/learning.md (also at the top of table.md): per arm and round the serving model's held-out
+  success per seed, greedy and sampled, the mean over seeds, the gate's decisions with their p-values
+  and detectable gain, the learning diagnostics; then each run's final test split.
 - <out>/table.md, <out>/table.csv: per arm and round (round 0 = the base model): the serving
-  champion's held-out success per seed (k/n), pooled over seeds with a Wilson interval, and the
-  mean over seeds; the candidate's held-out success where one was trained; gate decisions;
+  champion's held-out success per seed (k/n), over seeds (with a Wilson interval only with
+  --heldout-per-seed), and the mean over seeds; the candidate's held-out success where one was trained; gate decisions;
   training-rollout success and generated tokens per success; the round's wall time; and every
   scalar in the round's `metrics` JSON (rounds table), averaged over seeds (multi-line or long text,
   such as X-Tree's rendered outline, is left to the run's report).
@@ -33,9 +36,10 @@ Then the store is read (read-only) and written as
   pooled interval as a band.
 
 Held-out tasks come from gate.seed, which is the same for every seed unless --heldout-per-seed:
-then the arms are compared on the same tasks (paired), but the pooled interval treats the
-seeds' repeats of a task as independent and is narrower than the task sample justifies.
-With --heldout-per-seed each seed plays its own held-out sample (gate.seed + seed).
+then the arms are compared on the same tasks (paired), and no interval is pooled over seeds (the
+seeds' repeats of a task are not independent evidence: report per seed). With --heldout-per-seed
+each seed plays its own held-out sample and its own final test split (gate.seed + seed,
+gate.test_seed + seed), so an interval over seeds is honest.
 """
 
 from __future__ import annotations
