@@ -11,8 +11,9 @@ per task type:
 - sampled success: the mean over `--samples` plays per task at the config's training temperature and
   top-p (what the generate step samples), i.e. the policy's expected success per task;
 - pass@k: the share of tasks that at least one of the k samples solved (k = `--samples`);
-- distinct tasks: a task family with a small space repeats questions; the figures count every
-  task drawn, and the distinct count says how many of them differ.
+- distinct tasks only: the sample is drawn as the gate draws its own (`tasks.gate.distinct_tasks`), so a
+  family with a small space (one-step sums) is not counted twice over a repeated question; a type with
+  fewer distinct held-out tasks than asked shows its n.
 
 pass@k well above the sampled mean is room that ExIt and RL can take (they sharpen the policy
 toward what it sometimes does); greedy far below the sampled mean says the greedy gate misreads the
@@ -94,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.survey", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", action="append", required=True, help="run config (repeat for overlays)")
     parser.add_argument("--set", action="append", default=[], help="config override key.path=value")
-    parser.add_argument("--tasks", type=int, default=200, help="held-out tasks in all, types round-robin (200)")
+    parser.add_argument("--tasks", type=int, default=200, help="distinct held-out tasks in all, types round-robin "
+                        "(200)")
     parser.add_argument("--samples", type=int, default=8, help="sampled plays per task: k of pass@k (8)")
     parser.add_argument("--seed", type=int, default=None, help="task and sampling seed (default: gate.seed)")
     parser.add_argument("--out", help="write the figures (and per-task outcomes) to this JSON file")
@@ -104,11 +106,12 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = load_config(args.config, args.set)
     from tasks.common import env_factory
+    from tasks.gate import distinct_tasks
 
     env = env_factory(cfg)()
     try:
         seed = cfg.gate.seed if args.seed is None else args.seed
-        tasks = env.sample_tasks("heldout", args.tasks, seed)
+        tasks = distinct_tasks(env, "heldout", args.tasks, seed)
     finally:
         env.close()
     result = survey(cfg, tasks, args.samples, seed)
