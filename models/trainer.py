@@ -58,6 +58,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
+from transformers.modeling_outputs import CausalLMOutputWithPast
 from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
@@ -65,6 +66,7 @@ from methods.grpo import Correction, correction_weight, mismatch_stats
 from models.encoding import KINDS, encode_rows, tokenize_conversation
 from models.loading import load_model_and_tokenizer, save_checkpoint
 from models.losses import importance_weights, topk_divergence, weighted_token_ce
+from models.shared_prefix import completion_logps, shared_prefix_logits
 
 DISTILL = KINDS.index("distill")
 
@@ -141,9 +143,10 @@ class RowLoss:
     ema_teacher: torch.nn.Module | None
     distill_log: list[dict[str, float]]
 
-    def _init_row_loss(self, distill: DistillLoss | None, has_distill_rows: bool) -> None:
-        """Call after the Trainer's __init__: the loss settings and, for distillation with ema_rate > 0, the EMA
-        teacher."""
+    def _init_row_loss(self, distill: DistillLoss | None, has_distill_rows: bool, shared_prefix: bool = False) -> None:
+        """Call after the Trainer's __init__: the loss settings, whether a batch's shared prefix is encoded once
+        (models/shared_prefix.py) and, for distillation with ema_rate > 0, the EMA teacher."""
+        self.shared_prefix = shared_prefix
         self.distill = distill or DistillLoss()
         self.distill_log = []
         self.ema_teacher = None
@@ -176,12 +179,22 @@ class RowLoss:
         weights = extra.get("weights", torch.ones(n))
         kind = extra.get("kind", torch.zeros(n, dtype=torch.long))
         micro = self._micro_batches()
-        outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"), use_cache=False)
-        logits = outputs.logits
         labels = inputs["labels"]
+        rows = (kind == DISTILL).nonzero().flatten()
+        ids = inputs["input_ids"]
+        mask = inputs.get("attention_mask")
+        if mask is None:
+            mask = torch.ones_like(ids)
+        # logits[:, j] belong to column offset + j (models/shared_prefix.py; offset 0: the plain forward)
+        if getattr(self, "shared_prefix", False):
+            scored = [int(c) for c in (labels != -100).any(0).nonzero().flatten()[:1]]
+            scored += [int(extra["student_pos"][r][extra["student_pos"][r] >= 0].min()) for r in rows]
+            logits, offset = shared_prefix_logits(model, ids, mask, min(scored, default=ids.size(1)))
+        else:
+            logits, offset = model(input_ids=ids, attention_mask=mask, use_cache=False).logits, 0
+        outputs = CausalLMOutputWithPast(logits=logits)
         loss = logits.new_zeros(())
         sft_loss = None
-        rows = (kind == DISTILL).nonzero().flatten()
         # this micro-batch's labelled tokens and distillation denominator, summed over the processes (see
         # _across_processes; both are this batch's own in one process), and the process count W that undoes DDP's
         # gradient average
@@ -190,14 +203,15 @@ class RowLoss:
         if bool((labels[:, 1:] != -100).any()):
             # With num_items_in_batch the sum is already normalised over the whole accumulated step.
             if num_items_in_batch is not None:
-                sft_loss = weighted_token_ce(logits, labels, weights, num_items_in_batch) * self._token_sum_scale()
+                sft_loss = weighted_token_ce(logits, labels[:, offset:], weights,
+                                             num_items_in_batch) * self._token_sum_scale()
                 loss = loss + sft_loss
             else:
-                sft_loss = weighted_token_ce(logits, labels, weights, sft_tokens) * world
+                sft_loss = weighted_token_ce(logits, labels[:, offset:], weights, sft_tokens) * world
                 loss = loss + sft_loss / micro
         if len(rows):
-            distill_loss, stats = self._distill_term(model, logits, inputs["input_ids"], weights, rows, extra,
-                                                     distill_denom)
+            distill_loss, stats = self._distill_term(model, logits, ids, weights, rows, extra, distill_denom,
+                                                     offset)
             distill_loss = distill_loss * world
             loss = loss + self.distill.loss_weight * distill_loss / micro
             self.distill_log.append({**self._step_key(), "distill_loss": float(distill_loss.detach()),
@@ -220,9 +234,10 @@ class RowLoss:
         return float(local[0]), float(local[1])
 
     def _distill_term(self, model, logits, input_ids, weights, rows, extra,
-                      denom: float | None = None) -> tuple[torch.Tensor, dict]:
+                      denom: float | None = None, offset: int = 0) -> tuple[torch.Tensor, dict]:
         """Σ_e w_e · mean_t(IS_t · D_t) over the batch's distillation rows, divided by `denom` (over all processes'
-        batches, see _across_processes) or else by Σ_e w_e (normalise "weights") or their count ("rows")."""
+        batches, see _across_processes) or else by Σ_e w_e (normalise "weights") or their count ("rows").
+        `logits[:, j]` are the student's logits at column offset + j."""
         d = self.distill
         teacher = self.ema_teacher if self.ema_teacher is not None else model
         with torch.no_grad():
@@ -232,7 +247,7 @@ class RowLoss:
         for j, r in enumerate(rows.tolist()):
             keep = extra["student_pos"][r] >= 0
             sp, tp = extra["student_pos"][r][keep], extra["teacher_pos"][r][keep]
-            s_logits = logits[r, sp - 1]
+            s_logits = logits[r, sp - 1 - offset]
             div = topk_divergence(t_logits[j, tp - 1], s_logits, d.top_k, d.divergence, d.beta)
             logp_now = torch.log_softmax(s_logits.float(), -1).gather(-1, input_ids[r, sp][:, None]).squeeze(-1)
             isw = importance_weights(logp_now, extra["sampled_logprobs"][r][keep].to(logp_now.device), d.is_clip)
@@ -251,9 +266,9 @@ class RoundTrainer(RowLoss, SFTTrainer):
 
     loss_is_scaled_for_ga = True  # compute_loss scales both terms for gradient accumulation itself
 
-    def __init__(self, *args, distill: DistillLoss | None = None, **kwargs):
+    def __init__(self, *args, distill: DistillLoss | None = None, shared_prefix: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
-        self._init_row_loss(distill, DISTILL in set(self.train_dataset["kind"]))
+        self._init_row_loss(distill, DISTILL in set(self.train_dataset["kind"]), shared_prefix)
 
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
@@ -366,7 +381,7 @@ class StoredRolloutGRPOTrainer(RowLoss, GRPOTrainer):
     loss_is_scaled_for_ga = True
 
     def __init__(self, *args, pg_rows: list[dict], aux_rows: list[dict], policy: PolicyLoss, distill=None,
-                 **kwargs):
+                 shared_prefix: bool = False, **kwargs):
         self.pg_rows, self.aux_rows, self.policy = pg_rows, aux_rows, policy
         self.pg_log: list[dict[str, float]] = []
         from datasets import Dataset
@@ -376,7 +391,7 @@ class StoredRolloutGRPOTrainer(RowLoss, GRPOTrainer):
         # β is applied here, not through GRPOConfig: TRL would load a second copy of the checkpoint as its
         # reference model, while the reference (the initial policy) is π_old, already computed per token.
         self.beta = policy.beta
-        self._init_row_loss(distill, any(r.get("kind") == 1 for r in aux_rows))
+        self._init_row_loss(distill, any(r.get("kind") == 1 for r in aux_rows), shared_prefix)
         self._aux_collator = RowCollator(pad_token_id=self.processing_class.pad_token_id)
 
     # ---- data: the stored rows instead of TRL's generation ----------------------------------------
@@ -490,6 +505,19 @@ class StoredRolloutGRPOTrainer(RowLoss, GRPOTrainer):
 
         return DataLoader(Passes(), batch_size=None)
 
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        """TRL's per-token logprobs of the completion (every pass here: π_old, the reference, the loss), with the
+        batch's shared prompt prefix encoded once (models/shared_prefix.py) when `train.shared_prefix` is on and the
+        batch is text only; otherwise TRL's own."""
+        if (not self.shared_prefix or compute_aux_loss or any(v is not None for v in multimodal.values())):
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                              batch_size, compute_entropy, compute_aux_loss,
+                                                              **multimodal)
+        logps, entropies = completion_logps(model, input_ids, attention_mask, logits_to_keep, self.temperature,
+                                            compute_entropy)
+        return logps, entropies, None
+
     def _prepare_inputs(self, inputs):
         return Trainer._prepare_inputs(self, inputs)  # to the device; no generation: the rows are stored
 
@@ -528,6 +556,7 @@ def grpo_args(cfg, policy: PolicyLoss, out_dir: str, seed: int, n_rows: int, use
     return GRPOConfig(
         output_dir=out_dir, learning_rate=cfg.resolved_learning_rate(True), num_train_epochs=policy.passes,
         per_device_train_batch_size=bs, gradient_accumulation_steps=cfg.grad_accum,
+        activation_checkpointing=cfg.gradient_checkpointing,
         steps_per_generation=2 * cfg.grad_accum, num_generations=2,  # TRL's checks; generation is replaced
         loss_type=policy.loss_type, epsilon=policy.epsilon, epsilon_high=policy.epsilon_high, beta=0.0,
         temperature=policy.temperature, max_completion_length=cfg.max_length, num_iterations=1,
@@ -832,7 +861,7 @@ def train_candidate(
         args = grpo_args(cfg, policy, trainer_dir.name, seed, len(pg), use_cpu, bf16, report)
         trainer = StoredRolloutGRPOTrainer(model=model, args=args, processing_class=tokenizer, peft_config=peft_config,
                                            callbacks=callbacks, pg_rows=pg, aux_rows=encoded, policy=policy,
-                                           distill=distill)
+                                           distill=distill, shared_prefix=cfg.shared_prefix)
         mismatch = trainer.prepare_old_policy()
         if policy.beta > 0 and policy.reference_path:
             trainer.prepare_reference(policy.reference_path, dtype, trust_remote_code)
@@ -843,6 +872,7 @@ def train_candidate(
             output_dir=trainer_dir.name,
             learning_rate=cfg.resolved_learning_rate(False),
             num_train_epochs=cfg.epochs,
+            activation_checkpointing=cfg.gradient_checkpointing,
             per_device_train_batch_size=cfg.batch_size,
             gradient_accumulation_steps=cfg.grad_accum,
             max_length=None,  # rows were length-checked above; TRL must not truncate one side of a pair
@@ -864,7 +894,8 @@ def train_candidate(
         best = BestValidationCallback(validation, tokenizer.pad_token_id, cfg.batch_size) if validation else None
         trainer = RoundTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                                peft_config=peft_config, callbacks=(callbacks or []) + ([best] if best else []),
-                               data_collator=RowCollator(pad_token_id=tokenizer.pad_token_id), distill=distill)
+                               data_collator=RowCollator(pad_token_id=tokenizer.pad_token_id), distill=distill,
+                               shared_prefix=cfg.shared_prefix)
     _log_to(trainer, log_dir)
     # the learning diagnostic (logprob_change): one process only; under accelerate launch it is skipped
     diagnose = trainer.accelerator.num_processes == 1
