@@ -655,13 +655,15 @@ def trained_token_logprobs(model, seqs: list[tuple[list[int], list[int]]], pad_i
             batch = seqs[i:i + batch_size]
             ids = _pad([s[0] for s in batch], pad_id).to(device)
             mask = _pad([[1] * len(s[0]) for s in batch], 0).to(device)
-            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            first = min((p for _, positions in batch for p in positions), default=ids.size(1))
+            with torch.no_grad():
+                logits, offset = shared_prefix_logits(model, ids, mask, first)   # columns offset.. (the prefix once)
             for b, (_, positions) in enumerate(batch):
                 if not positions:
                     out.append((0.0, 0))
                     continue
                 pos = torch.tensor(positions, device=logits.device)
-                logp = torch.log_softmax(logits[b, pos - 1].float(), -1).gather(-1, ids[b, pos][:, None].to(
+                logp = torch.log_softmax(logits[b, pos - 1 - offset].float(), -1).gather(-1, ids[b, pos][:, None].to(
                     logits.device))
                 out.append((float(logp.sum()), len(positions)))
     finally:
