@@ -45,7 +45,7 @@ from pathlib import Path
 
 import duckdb
 
-from stores.store import Store
+from rsiflow.stores.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = ("generate", "evaluate", "distill", "train", "gate", "deploy")
@@ -104,7 +104,7 @@ class Run:
         self.store = folder / "store.duckdb"
         folder.mkdir(parents=True, exist_ok=True)
         overrides = [*sets, f"run.store={self.store}", f"run.run_dir={folder}/runs/{{name}}"]
-        self.cmd = [sys.executable, "-m", "flows.cli", "run", *[a for c in config for a in ("--config", c)],
+        self.cmd = [sys.executable, "-m", "rsiflow.flows.cli", "run", *[a for c in config for a in ("--config", c)],
                     *[a for o in overrides for a in ("--set", o)]]
         self.env = {**os.environ, "PREFECT_HOME": str(folder / "prefect"), "PYTHONPATH": str(REPO),
                     "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     if out.exists():
         sys.exit(f"bench.chaos: {out} exists; give a new --out")
-    from configs.schema import load_config
+    from rsiflow.configs.schema import load_config
 
     run_id = load_config(config, sets).run.name
     rng = random.Random(args.seed)

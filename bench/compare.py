@@ -117,7 +117,7 @@ def run_name(arm: str, seed: int) -> str:
 def _completed_rounds(store_path: Path, run_id: str) -> int:
     if not store_path.exists():
         return -1
-    from stores.store import Store
+    from rsiflow.stores.store import Store
 
     with Store(store_path, read_only=True) as store:
         return store.last_completed_round(run_id)
@@ -127,7 +127,7 @@ def run_overrides(args, arm: Arm, seed: int, out: Path) -> list[str]:
     own = [f"run.name={run_name(arm.name, seed)}", f"run.seed={seed}", f"run.rounds={args.rounds}",
            f"run.store={out / 'compare.duckdb'}", f"run.run_dir={out / 'runs'}/{{name}}"]
     if args.heldout_per_seed:
-        from configs.schema import load_config
+        from rsiflow.configs.schema import load_config
 
         base = load_config(args.config, list(args.set) + arm.overrides)
         own += [f"gate.seed={base.gate.seed + seed}", f"gate.test_seed={base.gate.test_seed + seed}"]
@@ -150,7 +150,7 @@ def run_all(args, arms: list[Arm], seeds: list[int], out: Path) -> list[str]:
         if done >= args.rounds:
             print(f"[{i}/{len(todo)}] {name}: {done} round(s) already in the store, skipped", flush=True)
             continue
-        cmd = [sys.executable, "-m", "flows.cli", "run"]
+        cmd = [sys.executable, "-m", "rsiflow.flows.cli", "run"]
         for c in args.config:
             cmd += ["--config", c]
         for o in run_overrides(args, arm, seed, out):
@@ -188,7 +188,7 @@ def merge_runs(out: Path, sources: list[Path]) -> list[str]:
     or has fewer completed rounds of it (its old rows are replaced). Returns the runs copied."""
     import duckdb
 
-    from stores.store import Store
+    from rsiflow.stores.store import Store
 
     dest = out / "compare.duckdb"
     with Store(dest):  # creates the file and applies the migrations
@@ -257,7 +257,7 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 def run_rows(store, run_id: str) -> list[dict]:
     """Per round of one run (round 0 = the base): what the table aggregates."""
-    from tasks.report import heldout_series, round_rows
+    from rsiflow.tasks.report import heldout_series, round_rows
 
     rows = round_rows(store, run_id)
     if not rows:
@@ -306,15 +306,15 @@ def learning_figures(r: dict) -> dict:
 
 def collect_tests(store_path: Path, arms: list[str], seeds: list[int]) -> dict[tuple[str, int], dict | None]:
     """Each run's stored final test (tasks/final_test.py), or None."""
-    from stores.store import Store
-    from tasks.final_test import stored_final_test
+    from rsiflow.stores.store import Store
+    from rsiflow.tasks.final_test import stored_final_test
 
     with Store(store_path, read_only=True) as store:
         return {(arm, seed): stored_final_test(store, run_name(arm, seed)) for arm in arms for seed in seeds}
 
 
 def collect(store_path: Path, arms: list[str], seeds: list[int]) -> dict[tuple[str, int], list[dict]]:
-    from stores.store import Store
+    from rsiflow.stores.store import Store
 
     data = {}
     with Store(store_path, read_only=True) as store:
@@ -327,7 +327,7 @@ def collect(store_path: Path, arms: list[str], seeds: list[int]) -> dict[tuple[s
 # ---- aggregating and writing --------------------------------------------------------------
 
 def _pool(hs: list[dict | None], confidence: float = 0.95) -> dict | None:
-    from methods.stats import wilson_interval
+    from rsiflow.methods.stats import wilson_interval
 
     hs = [h for h in hs if h]
     if not hs:
@@ -654,7 +654,7 @@ def main(argv: list[str] | None = None) -> None:
     if not arms:
         sys.exit("bench.compare: give at least one --arm NAME[:overrides]")
     args.config = [str(Path(c).resolve()) for c in (args.config or ["configs/default.yaml"])]
-    from configs.schema import ConfigError, load_config
+    from rsiflow.configs.schema import ConfigError, load_config
 
     try:
         for arm in arms:  # fail before any run on a bad key, naming the arm

@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from envs import make_env
-from methods.rollout import Episode, run_episodes
-from models.backend import SamplingParams
-from models.hf_backend import HFBackend
-from models.loading import resolve_base_model
+from rsiflow.envs import make_env
+from rsiflow.methods.rollout import Episode, run_episodes
+from rsiflow.models.backend import SamplingParams
+from rsiflow.models.hf_backend import HFBackend
+from rsiflow.models.loading import resolve_base_model
 
 
 class Recorder:
@@ -141,7 +141,7 @@ def main() -> None:
 
 def replay_vllm(args, path, backend: HFBackend, rec: Recorder, params: SamplingParams, sampled: int,
                 hf_rate: float, hf_prefill: float, limit: float) -> None:
-    from models.vllm_backend import VLLMBackend
+    from rsiflow.models.vllm_backend import VLLMBackend
 
     t0 = time.perf_counter()
     vb = VLLMBackend.open(path, python=args.vllm_python, kv_cache_gib=args.kv_cache_gib)

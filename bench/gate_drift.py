@@ -47,8 +47,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from methods.gating import Rule, look_sizes, sequential_decision
-from methods.stats import design_sd, detectable_gain
+from rsiflow.methods.gating import Rule, look_sizes, sequential_decision
+from rsiflow.methods.stats import design_sd, detectable_gain
 
 
 class Variant(NamedTuple):

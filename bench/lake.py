@@ -208,7 +208,7 @@ def write_run(spec: str, data_path: str, run_id: str, rounds: int, n: int) -> di
     """One writer: `rounds` rounds of `run_id` through the Store, the lease held around them (stores only)."""
     import socket
 
-    from stores.store import Store
+    from rsiflow.stores.store import Store
 
     host, pid = socket.gethostname(), os.getpid()
     holder = f"{host}:{pid}:bench"
@@ -250,7 +250,7 @@ def write_run(spec: str, data_path: str, run_id: str, rounds: int, n: int) -> di
 def expected_rows(run_id: str, rounds: int, n: int) -> dict:
     """What `write_run` must leave: the same calls on a fresh embedded DuckDB file (the default backend), read
     back with `run_rows`."""
-    from stores.store import Store
+    from rsiflow.stores.store import Store
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "expected.duckdb"
@@ -301,7 +301,7 @@ def _collect(procs: list[subprocess.Popen]) -> list[dict]:
 
 def store_case(cluster: PostgresCluster, n_writers: int, rounds: int, n: int, out: Path) -> dict:
     """N writers at once on one lake, then the same N one after another on a fresh lake; rows checked."""
-    from stores.store import Store
+    from rsiflow.stores.store import Store
 
     runs = [f"w{i}" for i in range(n_writers)]
     expected = {r: expected_rows(r, rounds, n) for r in runs}
@@ -343,7 +343,7 @@ def tiny_command(python: str, run: str, store: str, folder: Path, rounds: int, e
     sets = [*TINY_SETS, *extra, f"run.name={run}", f"run.store={store}", f"run.run_dir={folder}/runs/{{name}}"]
     if data_path:
         sets.append(f"run.lake_data_path={data_path}")
-    return [python, "-m", "flows.cli", "run", "--config", str(REPO / "configs" / "tiny.yaml"), "--rounds",
+    return [python, "-m", "rsiflow.flows.cli", "run", "--config", str(REPO / "configs" / "tiny.yaml"), "--rounds",
             str(rounds), *[a for s in sets for a in ("--set", s)]]
 
 
@@ -356,7 +356,7 @@ def tiny_env(prefect_home: Path) -> dict:
 
 def run_tiny(cluster: PostgresCluster, rounds: int, out: Path, python: str = sys.executable) -> dict:
     """The two tiny runs at once on one lake, then one after another on embedded files; rows compared."""
-    from stores.store import Store
+    from rsiflow.stores.store import Store
 
     spec = cluster.createdb("tiny_lake")
     lake_dir = out / "lake"

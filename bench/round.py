@@ -159,21 +159,22 @@ def instrument(env_name: str) -> None:
     """Wrap the functions each category is made of (idempotent)."""
     import prefect.tasks
 
-    import models.hf_backend as hb
-    import models.loading as loading
-    import models.trainer as trainer
-    import tasks.deploy as deploy
-    import tasks.report as report
-    from envs import make_env
-    from flows.round import STEP_TASKS, improvement_round
-    from stores.store import StepWriter, Store
+    import rsiflow.models.hf_backend as hb
+    import rsiflow.models.loading as loading
+    import rsiflow.models.trainer as trainer
+    import rsiflow.tasks.deploy as deploy
+    import rsiflow.tasks.report as report
+    from rsiflow.envs import make_env
+    from rsiflow.flows.round import STEP_TASKS, improvement_round
+    from rsiflow.stores.store import StepWriter, Store
 
     patch(hb.HFBackend, "generate", "generate")
     patch(hb.HFBackend, "__init__", "model load")
     patch(hb.HFBackend, "_load", "model load")
     patch(loading, "resolve_base_model", "model load")
-    import tasks.setup
-    patch(tasks.setup, "resolve_base_model", "model load")
+    import rsiflow.tasks.setup as setup
+
+    patch(setup, "resolve_base_model", "model load")
     patch(trainer, "train_candidate", "train")
 
     env_cls = type(make_env(env_name))
@@ -196,7 +197,7 @@ def instrument(env_name: str) -> None:
         patch(deploy, name, "report")
         patch(report, name, "report")
     # Prefect's artifacts (tables, markdown, progress) and loggers, wherever a step module imported them
-    for mod in {t.fn.__module__ for t in STEP_TASKS.values()} | {"flows.round", "tasks.common"}:
+    for mod in {t.fn.__module__ for t in STEP_TASKS.values()} | {"rsiflow.flows.round", "rsiflow.tasks.common"}:
         m = sys.modules[mod]
         for name in dir(m):
             if name == "get_run_logger" or (name.endswith("_artifact") and name.startswith(("create_", "update_"))):
@@ -338,7 +339,7 @@ def pooled_step_times(cfg, results: dict) -> list[dict]:
 
     from prefect.client.orchestration import get_client
 
-    from stores.store import Store
+    from rsiflow.stores.store import Store
 
     with Store(cfg.run.store, read_only=True) as store:
         rows = {r["step"]: r for r in store.step_history(cfg.run.name) if r["round"] == 1}
@@ -362,7 +363,7 @@ def pooled_step_times(cfg, results: dict) -> list[dict]:
 
 def outside_steps(cfg, wall: float) -> tuple[float, dict[str, float]]:
     """(seconds of the round's wall time outside the steps' bodies, {step: body seconds}) from the store."""
-    from stores.store import Store
+    from rsiflow.stores.store import Store
 
     with Store(cfg.run.store, read_only=True) as store:
         body = {r["step"]: (r["finished_at"] - r["started_at"]).total_seconds()
@@ -377,11 +378,11 @@ def run_pooled(files: list[str], sets: list[str], tmp: Path, pools: dict[str, st
     from prefect.settings import PREFECT_API_URL
 
     from bench.chaos import compare, table_rows
-    from configs.schema import load_config
-    from flows.pooled_step import deploy_steps
-    from flows.round import improvement_round
-    from stores.store import Store
-    from tasks.setup import config_differences
+    from rsiflow.configs.schema import load_config
+    from rsiflow.flows.pooled_step import deploy_steps
+    from rsiflow.flows.round import improvement_round
+    from rsiflow.stores.store import Store
+    from rsiflow.tasks.setup import config_differences
 
     folder = tmp / "pooled"
     overrides = [*sets, "run.name=bench-round", f"run.store={folder / 'store.duckdb'}",
@@ -459,8 +460,8 @@ def main(argv: list[str] | None = None) -> None:
     t_import = time.perf_counter()
     from prefect import flow
 
-    from configs.schema import load_config
-    from flows.round import improvement_round
+    from rsiflow.configs.schema import load_config
+    from rsiflow.flows.round import improvement_round
 
     cfg = load_config(files, overrides)
     instrument(cfg.env.name)
@@ -527,7 +528,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def print_round(rnd: int, wall: float, secs: dict, calls: dict, startup_s: float, cfg) -> None:
-    from stores.store import Store
+    from rsiflow.stores.store import Store
 
     with Store(cfg.run.store, read_only=True) as store:
         steps = store.con.execute("SELECT step, epoch(finished_at - started_at) FROM steps"

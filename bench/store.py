@@ -24,7 +24,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from stores.store import Store
+from rsiflow.stores.store import Store
 
 
 def synthetic_turns(n: int, run_id: str, round: int, step: str) -> pa.Table:

@@ -29,8 +29,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from configs.schema import load_config
-from methods.stats import wilson_interval as wilson
+from rsiflow.configs.schema import load_config
+from rsiflow.methods.stats import wilson_interval as wilson
 
 
 def _rate(values: list[float]) -> float:
@@ -39,9 +39,9 @@ def _rate(values: list[float]) -> float:
 
 def survey(cfg, tasks: list, samples: int, seed: int) -> dict:
     """Play `tasks` greedy once and `samples` times sampled; per-type figures and the per-task outcomes."""
-    from methods.rollout import Episode
-    from models.loading import resolve_base_model
-    from tasks.common import backend_for, play
+    from rsiflow.methods.rollout import Episode
+    from rsiflow.models.loading import resolve_base_model
+    from rsiflow.tasks.common import backend_for, play
 
     path = resolve_base_model(cfg.model.base, Path(cfg.run.model_cache).expanduser()) \
         if not Path(cfg.model.base).is_dir() else Path(cfg.model.base)
@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--tasks and --samples must be at least 1")
 
     cfg = load_config(args.config, args.set)
-    from tasks.common import env_factory
-    from tasks.gate import distinct_tasks
+    from rsiflow.tasks.common import env_factory
+    from rsiflow.tasks.gate import distinct_tasks
 
     env = env_factory(cfg)()
     try:

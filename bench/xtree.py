@@ -12,7 +12,7 @@ Streams (each trace a trajectory):
   per type the longest node that at least 40% of its trajectories execute.
 
 Timings on each stream, in the same run:
-- `own X`: methods.xtree.mine with METHODS.md §3's defaults (X = f · len · (succ + 0.05), f − 1 > 1 + 0.5 len,
+- `own X`: methods.xtree.mine with docs/methods.md, X-Tree's defaults (X = f · len · (succ + 0.05), f − 1 > 1 + 0.5 len,
   depth ≤ 6), until no merge is admissible (the nodes grow with the corpus), and `own X 256` with the pipeline's
   default cap of 256 nodes (distill.xtree.max_nodes);
 - `own BPE`: the same code with the score plain BPE uses (X = f, f ≥ 3, depth ≤ 64), capped at the merges of
@@ -20,7 +20,7 @@ Timings on each stream, in the same run:
 - `HF BPE`: `tokenizers.trainers.BpeTrainer` (Rust) on the same traces (one character per symbol, one "word"
   per trace), vocab_size = alphabet + the merges of `own BPE`, min_frequency 3. Its merges are compared with
   `own BPE`'s in order ("same merges"): they agree where no span repeats back to back (HF counts a run "aaa"
-  as two (a, a) pairs, X-Tree as one, METHODS.md's non-overlapping count). It cannot express X-Tree's score
+  as two (a, a) pairs, X-Tree as one, docs/methods.md's non-overlapping count). It cannot express X-Tree's score
   (success rate, length), its admissibility rule or its depth bound, so the pipeline keeps its own miner.
 The growth exponent is the least-squares slope of log(CPU seconds) on log(symbols) over the sizes.
 """
@@ -34,7 +34,7 @@ import random
 import time
 from collections import Counter
 
-from methods.xtree import MineParams, Trace, executed, mine
+from rsiflow.methods.xtree import MineParams, Trace, executed, mine
 
 PLAIN_BPE = MineParams(p=0.0, p_s=0.0, eta0=1.0, eta1=0.0, max_depth=64)
 
@@ -57,7 +57,7 @@ def synthetic(n_symbols: int, seed: int) -> tuple[list[Trace], list[tuple[str, .
 
 
 def household(n_symbols: int, seed: int, noise: float = 0.3, max_turns: int = 12) -> list[Trace]:
-    from envs.household import HouseholdEnv
+    from rsiflow.envs.household import HouseholdEnv
 
     env = HouseholdEnv()
     rng = random.Random(seed)
@@ -154,7 +154,7 @@ def table(rows: list[dict]) -> list[str]:
 
 def planted_structure(seed: int) -> list[str]:
     """The expert's trajectories, 20 per task type, mined together: each type's characteristic node."""
-    from envs.household import TASK_TYPES, HouseholdEnv
+    from rsiflow.envs.household import TASK_TYPES, HouseholdEnv
 
     env = HouseholdEnv()
     corpus = []

@@ -1,7 +1,7 @@
 """The configuration reference (docs/configuration.md), generated from the schema's field descriptions.
 
-    python -m configs.reference            # rewrite docs/configuration.md
-    python -m configs.reference --check    # exit 1 if docs/configuration.md is not what the schema says
+    python -m rsiflow.configs.reference            # rewrite docs/configuration.md
+    python -m rsiflow.configs.reference --check    # exit 1 if docs/configuration.md is not what the schema says
 
 Every key of the run config, its default and its help text, in the order of the schema: the page a user
 reads to find a key, and the one place a new option is documented (its `Field(description=...)`).
@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from configs.schema import Config, config_reference
+from rsiflow.configs.schema import Config, config_reference
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
@@ -24,7 +24,7 @@ One pydantic tree (`configs/schema.py`), loaded from YAML files and overrides:
 overrides win key by key. An unknown key, a wrong type or a missing file is an error that names the key
 path and the file (or `--set` override) that set it.
 
-This page is generated from the schema's help texts (`python -m configs.reference`); a test fails when it
+This page is generated from the schema's help texts (`python -m rsiflow.configs.reference`); a test fails when it
 is out of date.
 """
 
@@ -44,13 +44,13 @@ def markdown() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m configs.reference", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m rsiflow.configs.reference", description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="fail if the page is out of date instead of writing it")
     args = ap.parse_args(argv)
     text = markdown()
     if args.check:
         if not PAGE.is_file() or PAGE.read_text() != text:
-            print(f"{PAGE} is out of date: run python -m configs.reference", file=sys.stderr)
+            print(f"{PAGE} is out of date: run python -m rsiflow.configs.reference", file=sys.stderr)
             return 1
         return 0
     PAGE.parent.mkdir(parents=True, exist_ok=True)

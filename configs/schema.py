@@ -158,7 +158,7 @@ class OpenAIBackendConfig(_Section):
     @classmethod
     def _http_urls_not_both(cls, v: str | list[str] | None, info) -> str | list[str] | None:
         """http(s) URLs, none twice, and base_url or base_urls, not both (models.openai_backend.server_urls)."""
-        from models.openai_backend import server_urls
+        from rsiflow.models.openai_backend import server_urls
 
         if not v:
             return v
@@ -185,7 +185,7 @@ class BackendConfig(_Section):
 
     @model_validator(mode="after")
     def _known_kind_and_no_foreign_options(self) -> BackendConfig:
-        from models.backend import BACKENDS
+        from rsiflow.models.backend import BACKENDS
 
         if self.kind not in BACKENDS:
             raise ValueError(f"backend.kind: unknown backend {self.kind!r}; known: {sorted(BACKENDS)}")
@@ -315,7 +315,7 @@ class XTreeConfig(_Section):
     window: int | None = Field(None, ge=1, description="Rounds of the run's training rollouts each round mines over "
         "(this round and the window - 1 before it); null = every round so far, so the tree grows with the run.")
     p: float = Field(1.0, ge=0.0, description="Exponent of the span length in the merge score X = f · len^p · "
-        "(succ + eps)^p_s (METHODS.md §3).")
+        "(succ + eps)^p_s (docs/methods.md, X-Tree).")
     p_s: float = Field(1.0, ge=0.0, description="Exponent of (succ + eps) in X; succ = success rate of the "
         "trajectories that contain the span.")
     eps: float = Field(0.05, ge=0.0, description="eps of X, so spans seen only in failures still score.")
@@ -444,17 +444,17 @@ class DistillConfig(_Section):
         "group-relative advantages, TRL's GRPO loss), xtree (a tree of reusable action spans), rsipo (skills checked "
         "by replay, trust-weighted distillation added to grpo's loss; needs grpo).")
     exit: ExitConfig = Field(default_factory=ExitConfig, description="ExIt: SFT on successful trajectories.")
-    srd: SrdConfig = Field(default_factory=SrdConfig, description="SRD: Self-Retrospection Distillation (METHODS.md "
-        "§1).")
+    srd: SrdConfig = Field(default_factory=SrdConfig, description="SRD: Self-Retrospection Distillation "
+        "(docs/methods.md, SRD).")
     grpo: GrpoConfig = Field(default_factory=GrpoConfig, description="GRPO: policy gradient on the round's groups "
         "(TRL's GRPO loss).")
     xtree: XTreeConfig = Field(default_factory=XTreeConfig, description="X-Tree: a tree of reusable action spans "
-        "mined from the run's rollouts, and its uses (METHODS.md §3).")
+        "mined from the run's rollouts, and its uses (docs/methods.md, X-Tree).")
     rsipo: RsipoConfig = Field(default_factory=RsipoConfig, description="RSIPO: skills written by the policy, "
-        "checked by replay, trusted by empirical Bayes, kept in a library (METHODS.md §2).")
+        "checked by replay, trusted by empirical Bayes, kept in a library (docs/methods.md, RSIPO).")
     mass: MassConfig = Field(default_factory=MassConfig, description="MASS: the model searches a multi-agent "
         "workflow, judges its own outputs pairwise, ranks them (Bradley-Terry) and is fine-tuned to answer alone as "
-        "the workflow did (METHODS.md §4); method name 'mass'.")
+        "the workflow did (docs/methods.md, MASS); method name 'mass'.")
 
 
 class LoraConfig(_Section):

@@ -2,8 +2,8 @@
 
 Built in: "household", "arithmetic", "tooluse", "explain" (no verifier; plain Python) and "scienceworld" (needs the
 optional `scienceworld` package and Java; imported only when asked for). Any other
-"package.module:Class" naming an `Env` subclass works too; `python -m envs.conformance NAME`
-checks that an env honours the interface.
+"package.module:Class" naming an `Env` subclass works too; `rsiflow check-env NAME`
+(or `python -m rsiflow.envs.conformance NAME`) checks that an env honours the interface.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import sys
 from importlib import import_module
 from typing import Any
 
-from envs.arithmetic import ArithmeticEnv
-from envs.base import Env, StepResult, TaskSpec
-from envs.explain import ExplainEnv
-from envs.household import HouseholdEnv
-from envs.tooluse import ToolUseEnv
+from rsiflow.envs.arithmetic import ArithmeticEnv
+from rsiflow.envs.base import Env, StepResult, TaskSpec
+from rsiflow.envs.explain import ExplainEnv
+from rsiflow.envs.household import HouseholdEnv
+from rsiflow.envs.tooluse import ToolUseEnv
 
 __all__ = ["BUILTIN_ENVS", "LAZY_ENVS", "Env", "EnvError", "StepResult", "TaskSpec", "check_env_kwargs", "env_class",
            "make_env"]
@@ -26,7 +26,7 @@ __all__ = ["BUILTIN_ENVS", "LAZY_ENVS", "Env", "EnvError", "StepResult", "TaskSp
 BUILTIN_ENVS: dict[str, type[Env]] = {"household": HouseholdEnv, "arithmetic": ArithmeticEnv,
                                       "tooluse": ToolUseEnv, "explain": ExplainEnv}
 # Built-ins with optional dependencies: imported on first use, so the package works without them.
-LAZY_ENVS: dict[str, str] = {"scienceworld": "envs.scienceworld:ScienceWorldEnv"}
+LAZY_ENVS: dict[str, str] = {"scienceworld": "rsiflow.envs.scienceworld:ScienceWorldEnv"}
 
 
 class EnvError(ValueError):
@@ -79,7 +79,7 @@ def env_class(name: str) -> type[Env]:
     if cls is None:
         raise EnvError(f"env {name!r}: module {module_name!r} has no attribute {class_name!r}")
     if not (isinstance(cls, type) and issubclass(cls, Env)):
-        raise EnvError(f"env {name!r} is not a subclass of envs.base.Env")
+        raise EnvError(f"env {name!r} is not a subclass of rsiflow.envs.base.Env")
     return cls
 
 

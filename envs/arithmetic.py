@@ -30,7 +30,7 @@ import random
 import re
 from typing import Any
 
-from envs.base import Env, StepResult, TaskSpec, sample_hashed_tasks, step_guard
+from rsiflow.envs.base import Env, StepResult, TaskSpec, sample_hashed_tasks, step_guard
 
 LEVELS = ("level1", "level2", "level3", "level4", "level5")
 # level -> (operations, largest operand, allowed ops, word-problem share)

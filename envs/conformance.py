@@ -1,9 +1,12 @@
-"""The conformance check any env can run: does it honour the `envs.base.Env` contract?
+"""The conformance check any env can run: does it honour the `rsiflow.envs.base.Env` contract?
 
-    python -m envs.conformance arithmetic
-    python -m envs.conformance examples.countdown_env:CountdownEnv --kwargs '{"max_steps": 3}'
-    python -m envs.conformance household --tasks 200 --fuzz 3000 --max-turns 12
-    python -m envs.conformance --config configs/default.yaml --config examples/byo.yaml
+    rsiflow check-env arithmetic
+    rsiflow check-env examples.countdown_env:CountdownEnv --kwargs '{"max_steps": 3}'
+    rsiflow check-env household --tasks 200 --fuzz 3000 --max-turns 12
+    rsiflow check-env --config configs/default.yaml --config examples/byo.yaml
+
+`python -m rsiflow.envs.conformance` takes the same arguments. The header names the env class and the file it was
+loaded from, so that a "package.module:Class" that more than one folder on sys.path holds shows which one ran.
 
 With `--config` (repeatable: later files are overlays, as with `rsiflow run`) the env's name,
 kwargs and turn limit come from the config's `env.name`, `env.kwargs` and `env.max_turns`; a
@@ -12,7 +15,7 @@ line is printed as soon as it finishes; the exit status is 1 when a check failed
 
 or from Python (the test suite runs it on every built-in env and on the example env):
 
-    from envs.conformance import check_env
+    from rsiflow.envs.conformance import check_env
     report = check_env("arithmetic", tasks=12, fuzz=2000)
     assert report.ok, report
 
@@ -78,7 +81,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from envs.base import SPLITS, Env, StepResult, TaskSpec
+from rsiflow.envs.base import SPLITS, Env, StepResult, TaskSpec
 
 SYMBOL_RE = re.compile(r"[A-Za-z_][\w\-]*<[\w,\- ]*>")
 MAX_OBSERVATION_CHARS = 50_000
@@ -289,7 +292,7 @@ def near_miss(action: str, rng: random.Random) -> str:
 
 def _factory(env: str | type | Callable[[], Env], kwargs: dict | None) -> tuple[Callable[[], Env], str]:
     if isinstance(env, str):
-        from envs import make_env
+        from rsiflow.envs import make_env
 
         return (lambda: make_env(env, **(kwargs or {}))), env
     if isinstance(env, type):
@@ -329,7 +332,8 @@ def check_env(env: str | type | Callable[[], Env], kwargs: dict | None = None, t
     def make() -> _Guarded:
         with time_limit(step_timeout, f"building {label}"):
             instance = build()
-        _require(isinstance(instance, Env), f"{label} does not build an envs.base.Env (got {type(instance).__name__})")
+        _require(isinstance(instance, Env),
+                 f"{label} does not build an rsiflow.envs.base.Env (got {type(instance).__name__})")
         return _Guarded(instance, step_timeout)
 
     report = ConformanceReport(label)
@@ -785,8 +789,8 @@ CHECKS: list[tuple[str, Callable[[_Run], str]]] = [
 ]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m envs.conformance", description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The check's command-line options, on `parser` (`main`'s own, or the `rsiflow check-env` subcommand's)."""
     parser.add_argument("env", nargs="?",
                         help="a built-in env name or 'package.module:Class' (default: the config's env.name)")
     parser.add_argument("--config", action="append", default=[], metavar="FILE",
@@ -803,11 +807,35 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"seconds one env call may take before it fails the check "
                              f"(default {DEFAULT_STEP_TIMEOUT:g}; 0: no limit)")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    return parser
 
+
+DESCRIPTION = __doc__.split("\n\n")[0]
+
+
+def env_origin(name: str) -> str:
+    """`module:Class from FILE` of the class an env name loads, or why it does not load (the check's `class` line
+    then fails with the same reason)."""
+    import inspect
+
+    from rsiflow.envs import EnvError, env_class
+
+    try:
+        cls = env_class(name)
+    except EnvError as exc:
+        return f"not loaded: {exc}"
+    try:
+        where = inspect.getsourcefile(cls) or inspect.getfile(cls)
+    except (OSError, TypeError):   # a class without a source file (built in C, defined interactively)
+        where = "no file"
+    return f"{cls.__module__}:{cls.__qualname__} from {where}"
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """The check of parsed `add_arguments` options, printed line by line; 0 when it passed, else 1."""
     name, kwargs, max_turns = args.env, {}, args.max_turns
     if args.config:
-        from configs.schema import ConfigError, load_config
+        from rsiflow.configs.schema import ConfigError, load_config
 
         try:
             cfg = load_config(args.config)
@@ -828,10 +856,17 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"conformance of {name} (kwargs {json.dumps(kwargs)}; {args.tasks} tasks per split, fuzz {args.fuzz}, "
           f"max_turns {max_turns}, step timeout {args.step_timeout:g} s)", flush=True)
+    print(f"  env class {env_origin(name)}", flush=True)
     report = check_env(name, kwargs, tasks=args.tasks, seed=args.seed, fuzz=args.fuzz, max_turns=max_turns,
                        step_timeout=args.step_timeout or None, on_result=lambda r: print(r.line(), flush=True))
     print(f"conformance of {name}: {'PASS' if report.ok else 'FAIL'}", flush=True)
     return 0 if report.ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_arguments(argparse.ArgumentParser(prog="python -m rsiflow.envs.conformance",
+                                                   description=DESCRIPTION))
+    return run(parser.parse_args(argv), parser)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from envs.base import Env, StepResult, TaskSpec, sample_hashed_tasks, step_guard
+from rsiflow.envs.base import Env, StepResult, TaskSpec, sample_hashed_tasks, step_guard
 
 TASK_TYPES = ("why", "define", "compare")
 

@@ -25,7 +25,7 @@ import random
 import re
 from typing import Any
 
-from envs.base import SPLITS, Env, StepResult, TaskSpec, step_guard
+from rsiflow.envs.base import SPLITS, Env, StepResult, TaskSpec, step_guard
 
 TASK_TYPES = ("pick_and_place", "look_at_obj_in_light", "pick_clean_then_place",
               "pick_heat_then_place", "pick_cool_then_place", "pick_two_obj_and_place")

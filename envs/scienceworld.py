@@ -53,7 +53,7 @@ import threading
 import time
 from typing import Any
 
-from envs.base import SPLITS, Env, StepResult, TaskSpec, step_guard
+from rsiflow.envs.base import SPLITS, Env, StepResult, TaskSpec, step_guard
 
 TASK_NAMES = (
     "boil", "change-the-state-of-matter-of", "chemistry-mix", "chemistry-mix-paint-secondary-color",

@@ -34,7 +34,7 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from envs.base import Env, StepResult, TaskSpec, sample_hashed_tasks, step_guard
+from rsiflow.envs.base import Env, StepResult, TaskSpec, sample_hashed_tasks, step_guard
 
 TASK_TYPES = ("calc", "lookup", "lookup_calc", "compare")
 TOOL_NAMES = ("calculator", "lookup", "answer")

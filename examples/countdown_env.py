@@ -11,7 +11,7 @@ Run it from a config (`env.name: examples.countdown_env:CountdownEnv`, see examp
 
 and check that it honours the interface:
 
-    python -m envs.conformance examples.countdown_env:CountdownEnv
+    rsiflow check-env examples.countdown_env:CountdownEnv
 
 What an env provides (envs/base.py):
   name                           class attribute: the env's name
@@ -41,7 +41,7 @@ import itertools
 import random
 from fractions import Fraction
 
-from envs.base import SPLITS, Env, StepResult, TaskSpec, step_guard
+from rsiflow.envs.base import SPLITS, Env, StepResult, TaskSpec, step_guard
 
 OPS = ("+", "-", "*", "/")
 

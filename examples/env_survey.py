@@ -21,9 +21,9 @@ import sys
 import time
 from collections import defaultdict
 
-from configs.schema import load_config
-from envs import make_env
-from envs.base import Env, TaskSpec
+from rsiflow.configs.schema import load_config
+from rsiflow.envs import make_env
+from rsiflow.envs.base import Env, TaskSpec
 
 
 def play_expert(env: Env, task: TaskSpec, limit: int = 500) -> bool | None:
@@ -59,10 +59,10 @@ def play_random(env: Env, task: TaskSpec, max_turns: int, rng: random.Random) ->
 def play_model(cfg, tasks: list[TaskSpec]) -> list[bool]:
     from pathlib import Path
 
-    from methods.rollout import Episode, run_episodes
-    from models.backend import SamplingParams
-    from models.loading import resolve_base_model
-    from tasks.common import backend_for
+    from rsiflow.methods.rollout import Episode, run_episodes
+    from rsiflow.models.backend import SamplingParams
+    from rsiflow.models.loading import resolve_base_model
+    from rsiflow.tasks.common import backend_for
 
     path = resolve_base_model(cfg.model.base, Path(cfg.run.model_cache).expanduser())
     backend = backend_for(cfg, str(path))

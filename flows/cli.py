@@ -1,9 +1,10 @@
-"""`rsiflow`: run, serve, status, report.
+"""`rsiflow`: run, serve, status, report, check-env.
 
     rsiflow run --config configs/default.yaml --rounds 2      # local, no Prefect server needed
     rsiflow serve --config configs/default.yaml               # improvement-round/<run>, self-improve/<run>
     rsiflow status --config configs/default.yaml
     rsiflow report --config configs/default.yaml
+    rsiflow check-env mypkg.envs:MyEnv --tasks 20             # the env conformance check (rsiflow.envs.conformance)
 
 A user's mistake (a bad config value, a store that can't be opened, a busy run) ends in one line on stderr
 naming the cause, where it came from and what to do; `--debug` shows the traceback instead. Ctrl-C and SIGTERM
@@ -22,7 +23,7 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
-from models.backend import interrupt_calls_in_flight
+from rsiflow.models.backend import interrupt_calls_in_flight
 
 
 def _prefect_env() -> None:
@@ -110,7 +111,7 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args):
-    from configs.schema import load_config
+    from rsiflow.configs.schema import load_config
 
     files = args.config or ["configs/default.yaml"]
     return files, load_config(files, args.overrides)
@@ -120,9 +121,9 @@ def _open_run(cfg, read_only: bool = True):
     """The store (read-only unless asked: a process that writes it too must open it the same way, DuckDB refuses
     a read-only and a read-write connection to one file in one process) for a command that reads a run; it never
     creates one. ConfigError if the run is not in it."""
-    from configs.schema import ConfigError
-    from stores.lake import is_lake
-    from stores.store import Store, StoreError
+    from rsiflow.configs.schema import ConfigError
+    from rsiflow.stores.lake import is_lake
+    from rsiflow.stores.store import Store, StoreError
 
     if not read_only and not is_lake(cfg.run.store) and not Path(cfg.run.store).expanduser().is_file():
         raise StoreError(f"store {cfg.run.store} does not exist")
@@ -139,7 +140,7 @@ def _open_run(cfg, read_only: bool = True):
 
 
 def _print_report(cfg, read_only: bool = True) -> None:
-    from tasks.report import write_report
+    from rsiflow.tasks.report import write_report
 
     with _open_run(cfg, read_only) as store:
         md_path, png, md = write_report(store, cfg.run.name, cfg.run_dir / "report")
@@ -150,19 +151,19 @@ def _print_report(cfg, read_only: bool = True) -> None:
 def cmd_run(args) -> None:
     """Rounds until the run has --rounds completed ones, holding the run's lease throughout (flows/lease.py).
     Every input is checked (tasks/setup.py: ensure_run) before anything is written or started."""
-    from configs.schema import ConfigError
+    from rsiflow.configs.schema import ConfigError
 
     if args.rounds is not None and args.rounds < 1:
         raise ConfigError(f"--rounds {args.rounds}: must be at least 1 (the total number of rounds the run should "
                           "have; rounds it has completed count, so a finished run exits at once)")
     _prefect_env()
     files, cfg = _load(args)
-    from flows.lease import run_lease
-    from flows.round import round_flow
-    from stores.lake import redact
-    from stores.store import StoreError
-    from tasks.common import open_store
-    from tasks.setup import ensure_run
+    from rsiflow.flows.lease import run_lease
+    from rsiflow.flows.round import round_flow
+    from rsiflow.stores.lake import redact
+    from rsiflow.stores.store import StoreError
+    from rsiflow.tasks.common import open_store
+    from rsiflow.tasks.setup import ensure_run
 
     target = cfg.run.rounds if args.rounds is None else args.rounds
     try:
@@ -186,8 +187,8 @@ def cmd_run(args) -> None:
 def _final_test(cfg, again: bool) -> None:
     """Print the run's final test split figures (tasks/final_test.py), playing them unless the store has them for
     the current champion after its last round (or `again`)."""
-    from tasks.common import open_store
-    from tasks.final_test import describe, final_test, stored_final_test
+    from rsiflow.tasks.common import open_store
+    from rsiflow.tasks.final_test import describe, final_test, stored_final_test
 
     with open_store(cfg) as store:
         found = stored_final_test(store, cfg.run.name)
@@ -199,8 +200,8 @@ def _final_test(cfg, again: bool) -> None:
 
 def cmd_test(args) -> None:
     """Play the final test split (gate.test_tasks tasks no gate reads) with the run's base and champion."""
-    from configs.schema import ConfigError
-    from flows.lease import run_lease
+    from rsiflow.configs.schema import ConfigError
+    from rsiflow.flows.lease import run_lease
 
     _prefect_env()
     files, cfg = _load(args)
@@ -218,8 +219,8 @@ def serve_deployments(files: list[str], overrides: list[str], cfg, cron: str | N
     while another of the same deployment runs."""
     from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 
-    from flows.round import improvement_round, run_tags
-    from flows.self_improve import self_improve
+    from rsiflow.flows.round import improvement_round, run_tags
+    from rsiflow.flows.self_improve import self_improve
 
     name = cfg.run.name
     common = dict(name=name, parameters={"config": [os.path.abspath(f) for f in files], "overrides": overrides},
@@ -304,8 +305,8 @@ def cmd_pools(args) -> None:
     files, cfg = _load(args)
     from prefect.settings import PREFECT_API_URL
 
-    from configs.schema import ConfigError
-    from flows.pooled_step import deploy_steps
+    from rsiflow.configs.schema import ConfigError
+    from rsiflow.flows.pooled_step import deploy_steps
 
     if not PREFECT_API_URL.value():
         raise ConfigError("rsiflow pools deploy registers work pools and deployments on a Prefect server: start one "
@@ -327,8 +328,8 @@ def status_lines(store, run_id: str) -> list[str]:
     """`rsiflow status`: the run's champion and lease, then each round (status, champions, wall time) with its
     steps: state, duration and, for a failed step, its error. A step recorded as running while nobody holds the
     run's lease was interrupted (its process died); the next `rsiflow run` redoes it."""
-    from flows.lease import describe
-    from tasks.common import STEPS
+    from rsiflow.flows.lease import describe
+    from rsiflow.tasks.common import STEPS
 
     now = datetime.now(UTC).replace(tzinfo=None)
     lease = store.lease(run_id)
@@ -388,6 +389,14 @@ def cmd_report(args) -> None:
     _print_report(cfg)
 
 
+def cmd_check_env(args) -> None:
+    from rsiflow.envs import conformance
+
+    status = conformance.run(args, args.parser)
+    if status:
+        sys.exit(status)
+
+
 def main(argv: list[str] | None = None) -> None:
     debug = argparse.ArgumentParser(add_help=False)
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -431,11 +440,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--type", default="process", help="Type of the work pools it creates (default process; an "
                    "existing pool keeps its type)")
     p.set_defaults(func=cmd_pools)
+    from rsiflow.envs import conformance  # its options (light: the standard library and rsiflow.envs.base)
+
+    p = sub.add_parser("check-env", help="Check that an env honours the Env interface (a built-in name, "
+                       "'package.module:Class' or a config's env.name); the same as python -m "
+                       "rsiflow.envs.conformance.", description=conformance.DESCRIPTION, parents=[debug])
+    conformance.add_arguments(p)
+    p.set_defaults(func=cmd_check_env, parser=p)
     args = parser.parse_args(argv)
-    from configs.schema import ConfigError
-    from flows.errors import StepFailed
-    from flows.lease import RunBusyError
-    from stores.store import StoreError
+    from rsiflow.configs.schema import ConfigError
+    from rsiflow.flows.errors import StepFailed
+    from rsiflow.flows.lease import RunBusyError
+    from rsiflow.stores.store import StoreError
 
     # SIGINT only where Python's Ctrl-C handler is in place: a command started in the background by a shell without
     # job control (`rsiflow run &` in a script) inherits SIGINT ignored, and stays deaf to the terminal's Ctrl-C.

@@ -27,9 +27,9 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import UTC, datetime
 
-from configs.schema import Config
-from stores.lake import store_location
-from stores.store import Store, StoreLockedError
+from rsiflow.configs.schema import Config
+from rsiflow.stores.lake import store_location
+from rsiflow.stores.store import Store, StoreLockedError
 
 LEASE_TTL_S = 120.0   # a lease not renewed for this long is taken over
 HEARTBEAT_S = 15.0    # renewal period (a heartbeat may wait up to 30 s for DuckDB's file lock)

@@ -37,8 +37,8 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from configs.schema import Config, ConfigError
-from flows.errors import StepFailed
+from rsiflow.configs.schema import Config, ConfigError
+from rsiflow.flows.errors import StepFailed
 
 REPO = Path(__file__).resolve().parents[1]
 STEP_FLOW = "rsiflow-step"
@@ -53,7 +53,7 @@ def deployment_name(cfg: Config, step: str) -> str:
 def config_payload(cfg: Config) -> dict:
     """The config as JSON for a step run: only the keys set (a default stays a default), with the shared paths
     made absolute against the round's working directory (a worker runs in its own)."""
-    from stores.lake import store_location
+    from rsiflow.stores.lake import store_location
 
     data = cfg.model_dump(mode="json", exclude_unset=True)
     run = data.setdefault("run", {})

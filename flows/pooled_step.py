@@ -8,9 +8,9 @@ import os
 
 from prefect import flow, get_run_logger
 
-from configs.schema import Config, ConfigError
-from flows.pooled import REPO, STEP_FLOW, config_from_payload, deployment_name, results_dir
-from flows.round import STEP_TASKS, run_tags, step_task
+from rsiflow.configs.schema import Config, ConfigError
+from rsiflow.flows.pooled import REPO, STEP_FLOW, config_from_payload, deployment_name, results_dir
+from rsiflow.flows.round import STEP_TASKS, run_tags, step_task
 
 
 @flow(name=STEP_FLOW)

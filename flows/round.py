@@ -20,18 +20,18 @@ from prefect.context import FlowRunContext
 from prefect.futures import PrefectConcurrentFuture
 from prefect.utilities.annotations import quote
 
-from configs.schema import Config, ConfigError, load_config
-from flows.errors import StepFailed
-from flows.lease import LeaseLostError, run_lease
-from flows.pooled import check_pools, run_on_pool
-from tasks.common import STEPS, open_store
-from tasks.deploy import redeploy
-from tasks.distill import distill_examples
-from tasks.evaluate import evaluate_rollouts
-from tasks.gate import gate_candidate
-from tasks.generate import generate_rollouts
-from tasks.setup import ensure_run
-from tasks.train import train_candidate
+from rsiflow.configs.schema import Config, ConfigError, load_config
+from rsiflow.flows.errors import StepFailed
+from rsiflow.flows.lease import LeaseLostError, run_lease
+from rsiflow.flows.pooled import check_pools, run_on_pool
+from rsiflow.tasks.common import STEPS, open_store
+from rsiflow.tasks.deploy import redeploy
+from rsiflow.tasks.distill import distill_examples
+from rsiflow.tasks.evaluate import evaluate_rollouts
+from rsiflow.tasks.gate import gate_candidate
+from rsiflow.tasks.generate import generate_rollouts
+from rsiflow.tasks.setup import ensure_run
+from rsiflow.tasks.train import train_candidate
 
 STEP_TASKS = {
     "generate": generate_rollouts,

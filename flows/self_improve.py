@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from prefect import flow
 
-from configs.schema import load_config
-from flows.lease import run_lease
-from flows.round import label_flow_run, round_flow
-from tasks.common import open_store
-from tasks.setup import ensure_run
+from rsiflow.configs.schema import load_config
+from rsiflow.flows.lease import run_lease
+from rsiflow.flows.round import label_flow_run, round_flow
+from rsiflow.tasks.common import open_store
+from rsiflow.tasks.setup import ensure_run
 
 
 @flow(name="self-improve")

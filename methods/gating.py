@@ -35,7 +35,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from methods.stats import GateEvidence, compare, should_promote
+from rsiflow.methods.stats import GateEvidence, compare, should_promote
 
 RULES = ("paired_test", "paired_margin", "no_worse", "better", "always")
 

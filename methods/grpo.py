@@ -7,7 +7,7 @@ Advantages (per trajectory, from its group's rewards; a group is G rollouts of o
 A uniform group (all rewards equal: all-fail or all-pass) gets A = 0 for every rollout: it is kept
 and counted, and contributes no policy gradient.
 
-Mismatch correction (METHODS.md §5): the sampler's per-token logprob (temperature-scaled, without
+Mismatch correction (docs/methods.md, GRPO): the sampler's per-token logprob (temperature-scaled, without
 top-p truncation: what a trainer recomputes) against the trainer's, k = π_train / π_sample:
 - "tis":  w = min(k, C), C = 2 (truncated importance sampling);
 - "cis":  w = min(k, 1 + λ·max(1 − π_train, κ)), λ = 2.3, κ = 5e-3 (arXiv 2609.32444);

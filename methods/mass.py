@@ -1,4 +1,4 @@
-"""MASS (Multi-Agent Self-Supervision, METHODS.md §4): one model as solver, workflow optimizer and judge.
+"""MASS (Multi-Agent Self-Supervision, docs/methods.md, MASS): one model as solver, workflow optimizer and judge.
 
 What this module computes (plain Python; the model is reached through a generation backend passed in,
 the env's verifier through a function passed in; tasks/methods/mass.py does the store and the round):
@@ -13,12 +13,12 @@ the env's verifier through a function passed in; tasks/methods/mass.py does the 
   remove a hop, reorder two hops, change a contract; the result is always a valid spec.
 - `proposal_messages` / `parse_proposal`: the model's own proposal of the next version from the history of
   verdicts, rationales and diffs (JSON, validated like any spec).
-- The pairwise judge (METHODS.md §0): `judge_messages` / `parse_verdict` (A, B or tie, with a rationale),
+- The pairwise judge (docs/methods.md): `judge_messages` / `parse_verdict` (A, B or tie, with a rationale),
   asked in both orders (`judge_pairs`) and combined into one score in {0, 1/4, 1/2, 3/4, 1} for the first
   item, so a judge that always answers "A" gives a tie; `oracle_pairs` decides by the env's verifier instead
   (a named option: it tests the pipeline where the model's judgement is near chance); `agreement` scores the
   judge against the verifier.
-- `bradley_terry`: the MM algorithm exactly as METHODS.md §0 writes it (prior of virtual games, renormalised
+- `bradley_terry`: the MM algorithm exactly as docs/methods.md writes it (prior of virtual games, renormalised
   to mean 1, 500 iterations, score = log p).
 - `ring_pairs`, `select_ranked`: the teacher-collection tournament (each episode judged against m others) and
   the split of the ranks into training (top) and validation (next) episodes.
@@ -192,7 +192,7 @@ MUTATIONS = ("add_hop", "remove_hop", "reorder_hops", "change_contract")
 
 
 def mutate(w: Workflow, rng: random.Random) -> tuple[Workflow, dict]:
-    """One structured edit of `w` (METHODS.md §4, ours): an operator drawn among those that apply, then its
+    """One structured edit of `w` (docs/methods.md, MASS, ours): an operator drawn among those that apply, then its
     arguments; returns the new (valid) spec and {"op", "detail"}. Structure first: add/remove/reorder are drawn
     before change_contract when they apply (weights 3:2:2:1)."""
     helpers = [h for h in w.hops if h != FINAL_ROLE]
@@ -423,7 +423,7 @@ def agreement(results: list[PairResult], verified: dict[str, bool | None]) -> di
 
 def bradley_terry(items: list[str], results: list[tuple[str, str, float]], prior: float = 0.5,
                   iterations: int = 500) -> dict[str, float]:
-    """Bradley-Terry scores by the MM algorithm of METHODS.md §0. results: (i, j, s) = one game of i against j
+    """Bradley-Terry scores by the MM algorithm of docs/methods.md. results: (i, j, s) = one game of i against j
     in which i scored s (1 win, 0.5 tie, 0 loss; j scores 1 - s). With W_i = Σ_j w_ij, n_ij games between i and
     j, every iteration sets
 
@@ -523,7 +523,7 @@ def parse_proposal(text: str) -> Workflow:
 def win_rate(scores: list[float], confidence: float = 0.95) -> dict:
     """Win rate of the first model over n paired comparisons (each score in [0, 1], ties 1/2): the mean, wins,
     ties, losses and a Wilson interval on the mean taken as k/n with k = Σ scores."""
-    from methods.stats import wilson_interval
+    from rsiflow.methods.stats import wilson_interval
 
     n = len(scores)
     k = sum(scores)

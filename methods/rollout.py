@@ -21,8 +21,8 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from envs.base import Env, TaskSpec
-from models.backend import GenerationBackend, SamplingParams
+from rsiflow.envs.base import Env, TaskSpec
+from rsiflow.models.backend import GenerationBackend, SamplingParams
 
 ACTION_STOP = ("\n",)
 

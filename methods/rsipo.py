@@ -1,4 +1,4 @@
-"""RSIPO (METHODS.md §2): skills written by the policy, checked by replay, trusted by empirical Bayes.
+"""RSIPO (docs/methods.md, RSIPO): skills written by the policy, checked by replay, trusted by empirical Bayes.
 
 Per training task x of type k (G student rollouts without a skill, rewards R^S):
 1. The policy writes a skill σ_x from its best rollout: a short, reusable procedure without the episode's
@@ -26,7 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from statistics import mean, variance
 
-from methods.rollout import env_observation
+from rsiflow.methods.rollout import env_observation
 
 SKILL_HEADER = "Skill (a procedure that helped on tasks of this kind):"
 WRITERS = ("policy", "template")

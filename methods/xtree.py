@@ -1,4 +1,4 @@
-"""X-Tree (METHODS.md §3): experience tokenization. A BPE-style miner over canonical action symbols.
+"""X-Tree (docs/methods.md, X-Tree): experience tokenization. A BPE-style miner over canonical action symbols.
 
 Each trajectory is a trace of `verb<role>` symbols (the env's `canonicalize`). The miner merges adjacent
 tokens like a BPE trainer, but picks merges by how reusable and how successful a span is:
@@ -43,7 +43,7 @@ _MASK = (1 << _SHIFT) - 1
 
 @dataclass(frozen=True)
 class MineParams:
-    """The miner's settings (METHODS.md §3's defaults, marked ours there)."""
+    """The miner's settings (docs/methods.md, X-Tree's defaults, marked ours there)."""
 
     p: float = 1.0            # exponent of the span length in X
     p_s: float = 1.0          # exponent of (succ + eps) in X

@@ -32,9 +32,9 @@ from typing import Any, Protocol
 
 # backend.kind -> "module:Class", imported on first use (a backend may need packages others don't).
 BACKENDS: dict[str, str] = {
-    "hf": "models.hf_backend:HFBackend",
-    "vllm": "models.vllm_backend:VLLMBackend",
-    "openai": "models.openai_backend:OpenAIBackend",
+    "hf": "rsiflow.models.hf_backend:HFBackend",
+    "vllm": "rsiflow.models.vllm_backend:VLLMBackend",
+    "openai": "rsiflow.models.openai_backend:OpenAIBackend",
 }
 
 

@@ -5,7 +5,7 @@ A training row is a dict with `example_id`, `weight` and a `kind` the trainer kn
   (earlier ones, e.g. few-shot demonstrations, are prompt), except those whose indices are in the optional
   `untrained` (context, not trained: e.g. an action the env did not accept before a corrected one);
 - "distill": `student` and `teacher` conversations and `train_from` (privileged-teacher
-  distillation, METHODS.md §0): the completion (assistant messages at index >= train_from) is
+  distillation, docs/methods.md): the completion (assistant messages at index >= train_from) is
   scored under both prompts; optional `completion_ids` / `sampling_logprobs` of the sampled tokens.
 
 SmolLM2's chat template has no `{% generation %}` markers, so TRL's `assistant_only_loss` can't find

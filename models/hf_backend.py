@@ -56,8 +56,15 @@ from transformers import (
 from transformers.cache_utils import DynamicLayer
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-from models.backend import Generation, SamplingParams, finish_row, interrupted_since, interrupts, raise_if_interrupted
-from models.loading import load_model_and_tokenizer
+from rsiflow.models.backend import (
+    Generation,
+    SamplingParams,
+    finish_row,
+    interrupted_since,
+    interrupts,
+    raise_if_interrupted,
+)
+from rsiflow.models.loading import load_model_and_tokenizer
 
 # SmolLM2-135M on the 2-core CPU, 268-token prompts, 16 new tokens, generated tok/s on an idle machine:
 # batch 1: 16, 8: 32, 16: 33-39, 32: 43. With another process busy on a core, batch 32+ collapsed to

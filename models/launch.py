@@ -6,7 +6,7 @@ The train step calls `train_launched` instead of `models.trainer.train_candidate
    folder) to `<job_dir>/job.pkl`; every process reads the whole job (each needs all rows: they encode them the
    same way and the trainers deal the batches out by process index, see below);
 2. runs `python -m accelerate.commands.launch --config_file F --num_processes N [--main_process_port P]
-   -m models.train_worker <job_dir>` with its output in `<job_dir>/launch.log`, following rank 0's progress
+   -m rsiflow.models.train_worker <job_dir>` with its output in `<job_dir>/launch.log`, following rank 0's progress
    file (`on_step`);
 3. reads rank 0's `<job_dir>/result.json` (metrics and the ids of the rows trained on). Only rank 0 saves the
    candidate and writes the result; the store rows stay the train step's, written after this returns.
@@ -46,7 +46,7 @@ from typing import Any
 
 import yaml
 
-from configs.schema import ConfigError
+from rsiflow.configs.schema import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 JOB, RESULT, PROGRESS, LOG, ACCELERATE_YAML = "job.pkl", "result.json", "progress", "launch.log", "accelerate.yaml"
@@ -123,7 +123,7 @@ def launch_command(cfg, job_dir: str | Path, port: int | None = None, python: st
         port = None
     if port is not None:
         cmd += ["--main_process_port", str(port)]
-    return cmd + ["-m", "models.train_worker", str(job_dir)]
+    return cmd + ["-m", "rsiflow.models.train_worker", str(job_dir)]
 
 
 def _last_error(log: Path) -> str:

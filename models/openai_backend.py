@@ -52,7 +52,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from models.backend import Generation, SamplingParams, finish_row, interrupts, raise_if_interrupted, wants_scoring
+from rsiflow.models.backend import (
+    Generation,
+    SamplingParams,
+    finish_row,
+    interrupts,
+    raise_if_interrupted,
+    wants_scoring,
+)
 
 DEFAULT_URL = "http://127.0.0.1:8000/v1"
 # Per process, shared by every OpenAIBackend (a deploy step's backend and the next step's see the same servers):

@@ -1,5 +1,5 @@
-"""One training process of an `accelerate launch` job (models/launch.py starts it): `python -m models.train_worker
-<job_dir>`.
+"""One training process of an `accelerate launch` job (models/launch.py starts it):
+`python -m rsiflow.models.train_worker <job_dir>`.
 
 Every process reads the whole job (`<job_dir>/job.pkl`: the parent checkpoint path, the training rows, the
 TrainConfig, seed, losses, output folder) and runs `models.trainer.train_candidate` on it; the Trainer inside joins
@@ -17,7 +17,7 @@ import pickle
 import sys
 from pathlib import Path
 
-from models.launch import JOB, PROGRESS, RESULT
+from rsiflow.models.launch import JOB, PROGRESS, RESULT
 
 
 def _write(path: Path, text: str) -> None:
@@ -28,7 +28,7 @@ def _write(path: Path, text: str) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m models.train_worker <job_dir>  (started by accelerate launch)", file=sys.stderr)
+        print("usage: python -m rsiflow.models.train_worker <job_dir>  (started by accelerate launch)", file=sys.stderr)
         return 2
     job_dir = Path(argv[0])
     with open(job_dir / JOB, "rb") as f:
@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
     rank = int(os.environ.get("RANK", "0"))
     on_step = (lambda step, total: _write(job_dir / PROGRESS, f"{step} {total}\n")) if rank == 0 else None
 
-    from models.trainer import train_candidate
+    from rsiflow.models.trainer import train_candidate
 
     metrics, used_ids = train_candidate(**job, on_step=on_step)
     if rank == 0:

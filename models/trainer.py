@@ -62,11 +62,11 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from methods.grpo import Correction, correction_weight, mismatch_stats
-from models.encoding import KINDS, encode_rows, tokenize_conversation
-from models.loading import load_model_and_tokenizer, save_checkpoint
-from models.losses import importance_weights, topk_divergence, weighted_token_ce
-from models.shared_prefix import completion_logps, shared_prefix_logits
+from rsiflow.methods.grpo import Correction, correction_weight, mismatch_stats
+from rsiflow.models.encoding import KINDS, encode_rows, tokenize_conversation
+from rsiflow.models.loading import load_model_and_tokenizer, save_checkpoint
+from rsiflow.models.losses import importance_weights, topk_divergence, weighted_token_ce
+from rsiflow.models.shared_prefix import completion_logps, shared_prefix_logits
 
 DISTILL = KINDS.index("distill")
 
@@ -82,7 +82,7 @@ class DistillLoss:
     is_clip: float | None = 2.0    # per-token IS weight cap; None = no IS weight
     ema_rate: float = 0.05         # EMA teacher rate; 0 = the current weights are the teacher
     normalise: str = "weights"     # the rows' weighted sum divided by Σ w ("weights") or by the row count ("rows":
-                                   # RSIPO's trust weights then scale the term, METHODS.md §2)
+                                   # RSIPO's trust weights then scale the term, docs/methods.md, RSIPO)
 
     def __post_init__(self):
         if self.normalise not in ("weights", "rows"):
@@ -145,8 +145,10 @@ class RowLoss:
 
     def _init_row_loss(self, distill: DistillLoss | None, has_distill_rows: bool, shared_prefix: bool = False) -> None:
         """Call after the Trainer's __init__: the loss settings, whether a batch's shared prefix is encoded once
-        (models/shared_prefix.py) and, for distillation with ema_rate > 0, the EMA teacher."""
-        self.shared_prefix = shared_prefix
+        (models/shared_prefix.py) and, for distillation with ema_rate > 0, the EMA teacher. The prefix is shared
+        in one process only: it takes two forwards per backward, and a DistributedDataParallel model expects one
+        (its reducer is armed by each forward through the wrapper, which the cached second call cannot use)."""
+        self.shared_prefix = shared_prefix and self.accelerator.num_processes == 1
         self.distill = distill or DistillLoss()
         self.distill_log = []
         self.ema_teacher = None

@@ -43,7 +43,7 @@ import time
 from multiprocessing.connection import Client
 from pathlib import Path
 
-from models.backend import (
+from rsiflow.models.backend import (
     Generation,
     Interrupted,
     SamplingParams,
@@ -55,6 +55,9 @@ from models.backend import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# The engine host, run as a file by the vLLM venv's interpreter: rsiflow is not installed there, and the file
+# imports only the standard library (and vLLM).
+ENGINE_SCRIPT = Path(__file__).resolve().with_name("vllm_engine.py")
 DEFAULT_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 # config.json keys that may differ between two checkpoints an in-place reload can swap
 _RELOAD_SAFE_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures_version"}
@@ -94,10 +97,9 @@ class _EngineProcess:
         # still works on it. Such an engine is not reused (`alive`) and is killed, not asked to stop.
         self._abandoned = False
         key = secrets.token_hex(16)
-        env = {**os.environ, "RSIFLOW_ENGINE_KEY": key, "RSIFLOW_PARENT_PID": str(os.getpid()),
-               "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        env = {**os.environ, "RSIFLOW_ENGINE_KEY": key, "RSIFLOW_PARENT_PID": str(os.getpid())}
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen([python, "-m", "models.vllm_engine", "--socket", self.socket,
+            self.proc = subprocess.Popen([python, str(ENGINE_SCRIPT), "--socket", self.socket,
                                           "--options", json.dumps(options)],
                                          cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)  # its own process group: vLLM's children too
@@ -197,7 +199,7 @@ class _EngineProcess:
 
 class _EngineInProcess:
     def __init__(self, options: dict):
-        from models.vllm_engine import Engine
+        from rsiflow.models.vllm_engine import Engine
 
         self.engine = Engine(**options)
 

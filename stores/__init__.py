@@ -1,5 +1,5 @@
 """DuckDB store: schema migrations, step transactions, run bookkeeping, export and lineage."""
 
-from stores.store import StepWriter, Store, StoreLockedError
+from rsiflow.stores.store import StepWriter, Store, StoreLockedError
 
 __all__ = ["Store", "StoreLockedError", "StepWriter"]

@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 
 import duckdb
 
-from stores.lake import CONFLICT_RETRIES, LAKE_LOCKS_SQL, lake_migration_sql
+from rsiflow.stores.lake import CONFLICT_RETRIES, LAKE_LOCKS_SQL, LEASE_LOCK_SQL, lake_migration_sql
 
 INITIAL_SCHEMA = """
 CREATE TABLE runs (
@@ -254,7 +254,7 @@ CREATE TABLE leases (
 );
 """
 
-# X-Tree (METHODS.md §3): the tree a round mined over its window of the run's rollouts, its nodes (one per
+# X-Tree (docs/methods.md, X-Tree): the tree a round mined over its window of the run's rollouts, its nodes (one per
 # merge, with lineage to the first round whose tree had the same span), where each node occurred when it
 # was merged, and the online bonus each rollout of the round got (next to its verifier reward).
 XTREE_TABLES = """
@@ -335,11 +335,11 @@ CREATE TABLE deleted_checkpoints (
 );
 """
 
-# RSIPO (METHODS.md §2): replays are trajectories of their own purpose ('replay': a train task played again with
-# a skill in its task message), so the CHECK on trajectories.purpose is widened (DuckDB cannot alter a CHECK: the
-# table is rebuilt with the same columns in the same order, its rows and its index). Then the skills written per
-# round, the replay tests (student and replay rewards, gain, noise, empirical-Bayes fit, trust weight) and the
-# library as it stood after each round (one row per skill: status, tests so far, gains with an interval).
+# RSIPO (docs/methods.md, RSIPO): replays are trajectories of their own purpose ('replay': a train task played
+# again with a skill in its task message), so the CHECK on trajectories.purpose is widened (DuckDB cannot alter
+# a CHECK: the table is rebuilt with the same columns in the same order, its rows and its index). Then the skills
+# written per round, the replay tests (student and replay rewards, gain, noise, empirical-Bayes fit, trust weight)
+# and the library as it stood after each round (one row per skill: status, tests so far, gains with an interval).
 RSIPO_REBUILD = """
 DROP INDEX trajectories_traj_id;
 DROP INDEX trajectories_model_id;
@@ -449,7 +449,7 @@ CREATE TABLE rsipo_library (
 """
 RSIPO_TABLES = RSIPO_REBUILD + "\n" + RSIPO_NEW_TABLES
 
-# MASS (METHODS.md §4): the workflow versions a round searched (spec, parent, proposer, verdict figures, whether
+# MASS (docs/methods.md, MASS): the workflow versions a round searched (spec, parent, proposer, verdict figures, whether
 # it became the champion and whether it was retained), every multi-agent (or bare) episode the method played
 # (each hop's output, the final answer, the verifier's outcome), every pairwise verdict (both orders, the judge,
 # its rationale), and the Bradley-Terry ranking of the teacher episodes with the split each went to.
@@ -549,11 +549,13 @@ MIGRATIONS: list[tuple[int, str, str]] = [
 # The lake (stores/lake.py) takes each migration through `lake_migration_sql` (no constraints, indexes or now()
 # defaults there); these versions differ beyond that. 5: the lake's lock row that serialises lease writes.
 # 8 and 10: no trajectories rebuild (they only widened a CHECK, which a lake table has none of; DuckLake can't
-# rename a table created in the same transaction either).
+# rename a table created in the same transaction either). 10 changes nothing else, so it updates the lock row:
+# two processes applying it at once then conflict on that row (the loser retries and finds it applied) instead
+# of both recording it.
 LAKE_MIGRATIONS: dict[int, str] = {
     5: LEASES + LAKE_LOCKS_SQL,
     8: RSIPO_NEW_TABLES,
-    10: "SELECT 1;",   # only a CHECK was widened
+    10: LEASE_LOCK_SQL + ";",   # only a CHECK was widened
 }
 
 SCHEMA_MIGRATIONS = ("CREATE TABLE IF NOT EXISTS schema_migrations ("

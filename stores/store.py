@@ -34,8 +34,8 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stores import lake as lakes
-from stores.migrations import MIGRATIONS, applied_versions, apply_migrations
+from rsiflow.stores import lake as lakes
+from rsiflow.stores.migrations import MIGRATIONS, applied_versions, apply_migrations
 
 # On a lake, columns the embedded schema fills with now() (DuckLake takes only literal defaults).
 _NOW_DEFAULTS = lakes.now_defaults([sql for _, _, sql in MIGRATIONS])

@@ -12,12 +12,12 @@ from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 
-from configs.schema import Config
-from envs import make_env
-from envs.base import Env
-from methods.rollout import Episode
-from models.backend import SamplingParams
-from stores.store import Store
+from rsiflow.configs.schema import Config
+from rsiflow.envs import make_env
+from rsiflow.envs.base import Env
+from rsiflow.methods.rollout import Episode
+from rsiflow.models.backend import SamplingParams
+from rsiflow.stores.store import Store
 
 STEPS = ("generate", "evaluate", "distill", "train", "gate", "deploy")
 
@@ -38,7 +38,7 @@ def env_factory(cfg: Config):
 
 def backend_for(cfg: Config, model_path: str):
     """The configured generation backend (`backend.kind`, its own options section) serving `model_path`."""
-    from models.backend import open_backend
+    from rsiflow.models.backend import open_backend
 
     options = cfg.backend.options()
     dtype = options.pop("dtype", None) or cfg.model.dtype  # a backend may sample in another dtype than training
@@ -51,7 +51,7 @@ def redeploy_backend(cfg: Config, previous_path: str, path: str) -> dict:
     path, seconds). In a process that holds no model of this kind (a deploy step on a pool worker, a deploy
     resumed after a kill) nothing is loaded just to be switched: the next step that generates loads `path`. A
     backend class without `must_redeploy` is always opened and switched."""
-    from models.backend import backend_class
+    from rsiflow.models.backend import backend_class
 
     must = getattr(backend_class(cfg.backend.kind), "must_redeploy", None)   # optional for a backend
     if must is not None and not must():
@@ -115,7 +115,7 @@ def run_dir(cfg: Config) -> Path:
 def prompt_setup(cfg: Config) -> tuple[list[dict], list[dict] | None]:
     """The prompt prefix every episode of this config starts with (system + few-shot turns) and the env's
     tool schemas for the chat template (None where it has none)."""
-    from methods.rollout import prompt_prefix
+    from rsiflow.methods.rollout import prompt_prefix
 
     env: Env = env_factory(cfg)()
     try:
@@ -177,7 +177,7 @@ class TurnProgress:
 def play(cfg: Config, backend, episodes: list[Episode], temperature: float, seed: int, desc: str,
          temp_logprobs: bool = True) -> list[Episode]:
     """Run episodes in lockstep with a progress bar (`temp_logprobs`: whether training will read them)."""
-    from methods.rollout import run_episodes
+    from rsiflow.methods.rollout import run_episodes
 
     bar = TurnProgress(desc, cfg.env.max_turns)
     try:

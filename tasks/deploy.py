@@ -17,11 +17,11 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NONE
 
-from configs.schema import Config
-from models.card import update_model_card
-from tasks.common import open_store, redeploy_backend, run_dir, serving_champion, utcnow
-from tasks.report import heldout_line, png_data_uri, round_rows, round_table, write_report
-from tasks.train import candidate_id
+from rsiflow.configs.schema import Config
+from rsiflow.models.card import update_model_card
+from rsiflow.tasks.common import open_store, redeploy_backend, run_dir, serving_champion, utcnow
+from rsiflow.tasks.report import heldout_line, png_data_uri, round_rows, round_table, write_report
+from rsiflow.tasks.train import candidate_id
 
 
 def gate_facts(decision: dict) -> dict:

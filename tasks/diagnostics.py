@@ -22,9 +22,9 @@ import math
 
 import torch
 
-from methods.gating import sign_flip_pvalue
-from methods.rollout import Episode
-from tasks.common import backend_for, env_factory, open_store, play, round_seed
+from rsiflow.methods.gating import sign_flip_pvalue
+from rsiflow.methods.rollout import Episode
+from rsiflow.tasks.common import backend_for, env_factory, open_store, play, round_seed
 
 
 def heldout_changed(plays, candidate: str, champion: str, n: int) -> dict:
@@ -38,8 +38,8 @@ def heldout_changed(plays, candidate: str, champion: str, n: int) -> dict:
 def _action_logprobs(path: str, dtype: str, conversations: list[tuple[list[dict], int]],
                      trust_remote_code: bool) -> list[torch.Tensor]:
     """Per conversation, the log-softmax over the vocabulary at every labelled (own action) token's position."""
-    from models.encoding import tokenize_conversation
-    from models.loading import load_model_and_tokenizer
+    from rsiflow.models.encoding import tokenize_conversation
+    from rsiflow.models.loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(path, dtype=dtype, trust_remote_code=trust_remote_code)
     out = []

@@ -10,9 +10,9 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
-from configs.schema import Config
-from tasks.common import open_store, prompt_setup, trajectories_with_turns, utcnow
-from tasks.methods import DistillContext, enabled_methods
+from rsiflow.configs.schema import Config
+from rsiflow.tasks.common import open_store, prompt_setup, trajectories_with_turns, utcnow
+from rsiflow.tasks.methods import DistillContext, enabled_methods
 
 
 @task(name="distill", cache_policy=NONE)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
-from configs.schema import Config
-from methods.groups import group_counts, group_stats
-from methods.stats import wilson_interval
-from tasks.common import open_store, utcnow
+from rsiflow.configs.schema import Config
+from rsiflow.methods.groups import group_counts, group_stats
+from rsiflow.methods.stats import wilson_interval
+from rsiflow.tasks.common import open_store, utcnow
 
 
 def success_rows(rows: list[dict], model_id: str, split: str, env: str, confidence: float, prefix: str) -> list[dict]:

@@ -13,10 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 
-from configs.schema import Config
-from methods.stats import compare
-from tasks.common import env_factory, open_store, utcnow
-from tasks.gate import HeldoutPlays, distinct_tasks, heldout_tasks, paired_figures, sample_seed, spec_key
+from rsiflow.configs.schema import Config
+from rsiflow.methods.stats import compare
+from rsiflow.tasks.common import env_factory, open_store, utcnow
+from rsiflow.tasks.gate import HeldoutPlays, distinct_tasks, heldout_tasks, paired_figures, sample_seed, spec_key
 
 
 def final_test_tasks(cfg: Config) -> list:

@@ -25,15 +25,15 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 from prefect.events import emit_event
 
-from configs.schema import Config
-from envs.base import TaskSpec
-from methods.gating import Rule, look_sizes, sequential_decision, sign_flip_pvalue
-from methods.rollout import Episode
-from methods.stats import compare, design_sd, detectable_gain, mean_interval, wilson_interval
-from tasks.common import backend_for, env_factory, episode_rows, open_store, play, utcnow
-from tasks.evaluate import success_rows
-from tasks.methods import AssessContext, enabled_methods
-from tasks.train import candidate_id
+from rsiflow.configs.schema import Config
+from rsiflow.envs.base import TaskSpec
+from rsiflow.methods.gating import Rule, look_sizes, sequential_decision, sign_flip_pvalue
+from rsiflow.methods.rollout import Episode
+from rsiflow.methods.stats import compare, design_sd, detectable_gain, mean_interval, wilson_interval
+from rsiflow.tasks.common import backend_for, env_factory, episode_rows, open_store, play, utcnow
+from rsiflow.tasks.evaluate import success_rows
+from rsiflow.tasks.methods import AssessContext, enabled_methods
+from rsiflow.tasks.train import candidate_id
 
 
 def distinct_tasks(env, split: str, n: int, seed: int, exclude: set[str] = frozenset()) -> list[TaskSpec]:
@@ -336,7 +336,7 @@ def gate_candidate(cfg: Config, round: int) -> dict:
                              champion_path=paths[champion], base=base, base_path=base_path, heldout=tasks)
         assessed = {m.name: (m, c) for m in enabled_methods(cfg) if (c := m.assess(actx)) is not None}
         if cfg.diagnostics.enabled:
-            from tasks.diagnostics import learning_diagnostics
+            from rsiflow.tasks.diagnostics import learning_diagnostics
 
             metrics["diagnostics"] = learning_diagnostics(cfg, round, cid, paths[cid], champion, paths[champion],
                                                           plays, n)

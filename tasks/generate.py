@@ -5,10 +5,19 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
-from configs.schema import Config
-from methods.rollout import Episode
-from tasks.common import backend_for, env_factory, episode_rows, open_store, play, round_seed, serving_champion, utcnow
-from tasks.methods import needs_temp_logprobs
+from rsiflow.configs.schema import Config
+from rsiflow.methods.rollout import Episode
+from rsiflow.tasks.common import (
+    backend_for,
+    env_factory,
+    episode_rows,
+    open_store,
+    play,
+    round_seed,
+    serving_champion,
+    utcnow,
+)
+from rsiflow.tasks.methods import needs_temp_logprobs
 
 
 @task(name="generate", cache_policy=NONE)

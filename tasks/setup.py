@@ -11,11 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from configs.schema import Config, ConfigError
-from envs import EnvError, check_env_kwargs, make_env
-from models.loading import resolve_base_model
-from stores.lake import is_lake
-from tasks.common import open_store
+from rsiflow.configs.schema import Config, ConfigError
+from rsiflow.envs import EnvError, check_env_kwargs, make_env
+from rsiflow.models.loading import resolve_base_model
+from rsiflow.stores.lake import is_lake
+from rsiflow.tasks.common import open_store
 
 # Keys (and sections) that say how a run is executed, not what it computes: changing them continues the run.
 OPERATIONAL = (
@@ -54,7 +54,7 @@ def check_env(cfg: Config) -> None:
 
 def check_methods(cfg: Config) -> None:
     """Every name in distill.methods is a registered method or a 'package.module:Class' Method."""
-    from tasks.methods import method_class
+    from rsiflow.tasks.methods import method_class
 
     for name in cfg.distill.methods:
         try:

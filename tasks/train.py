@@ -17,10 +17,10 @@ from collections import Counter
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
-from configs.schema import Config, ConfigError
-from models.card import write_model_card
-from tasks.common import StepProgress, open_store, round_seed, run_dir, utcnow
-from tasks.methods import enabled_methods
+from rsiflow.configs.schema import Config, ConfigError
+from rsiflow.models.card import write_model_card
+from rsiflow.tasks.common import StepProgress, open_store, round_seed, run_dir, utcnow
+from rsiflow.tasks.methods import enabled_methods
 
 
 def candidate_id(cfg: Config, round: int) -> str:
@@ -119,8 +119,8 @@ def train_candidate(cfg: Config, round: int) -> dict:
     started = utcnow()
     from tqdm.auto import tqdm
 
-    from models.launch import LaunchError, train_launched, uses_launcher
-    from models.trainer import train_candidate as train
+    from rsiflow.models.launch import LaunchError, train_launched, uses_launcher
+    from rsiflow.models.trainer import train_candidate as train
 
     run_id = cfg.run.name
     methods = enabled_methods(cfg)
@@ -133,6 +133,8 @@ def train_candidate(cfg: Config, round: int) -> dict:
             if parent is None:
                 raise LookupError(f"train.init is base but run {run_id!r} has no base model in the store")
         parent_path = store.model_path(parent)
+        base = store.base_model(run_id)   # the β-KL reference of distill.grpo.reference base (ignored otherwise)
+        reference_path = store.model_path(base) if base is not None else None
         examples = [{**e, "meta": json.loads(e["meta"] or "{}")} for e in store.examples_dataset(run_id, round)]
         replayed, replay_counts = replay_buffer(store, cfg, methods, round, examples)
         for m in methods:
@@ -158,7 +160,8 @@ def train_candidate(cfg: Config, round: int) -> dict:
     job = dict(model_path=parent_path, rows=rows, out_dir=out_dir, seed=round_seed(cfg, round, 1),
                dtype=cfg.model.dtype, distill=_one_loss(methods, "distill_loss"),
                policy=_one_loss(methods, "policy_loss"), trust_remote_code=cfg.model.trust_remote_code,
-               log_dir=run_dir(cfg) / "tensorboard" / f"round-{round}", run_name=f"{run_id}-round-{round}")
+               log_dir=run_dir(cfg) / "tensorboard" / f"round-{round}", run_name=f"{run_id}-round-{round}",
+               reference_path=reference_path)
     try:
         if uses_launcher(cfg.train):  # accelerate launch with train.processes processes (models/launch.py)
             try:

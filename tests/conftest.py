@@ -42,7 +42,7 @@ def model_cache() -> Path:
 @pytest.fixture(scope="session")
 def tiny_path(model_cache) -> Path:
     """The tiny random model of SmolLM2's architecture (`tiny:0`), built once into the model cache."""
-    from models.loading import resolve_base_model
+    from rsiflow.models.loading import resolve_base_model
 
     return resolve_base_model("tiny:0", model_cache)
 
@@ -59,7 +59,7 @@ def pytest_collection_modifyitems(items):
 
 def vllm_python() -> str | None:
     """The interpreter that runs the vLLM engine here (None = this one), or pytest.skip with the reason."""
-    from models.vllm_backend import DEFAULT_PYTHON, vllm_importable
+    from rsiflow.models.vllm_backend import DEFAULT_PYTHON, vllm_importable
 
     if vllm_importable():
         return None
@@ -71,7 +71,7 @@ def vllm_python() -> str | None:
 @pytest.fixture(scope="session")
 def smollm2_path(model_cache) -> Path:
     """SmolLM2-135M-Instruct as a safetensors checkpoint (converted once from the embedded GGUF)."""
-    from models.loading import resolve_base_model
+    from rsiflow.models.loading import resolve_base_model
 
     return resolve_base_model("embedded:smollm2-135m-instruct", model_cache)
 
@@ -80,8 +80,8 @@ def smollm2_path(model_cache) -> Path:
 def vllm_backend(smollm2_path):
     """The process's one vLLM engine on SmolLM2 (started once per pytest run; engine start is minutes on
     2 cores). Tests may switch its weights; tests/models/test_vllm_backend.py's `vllm` fixture switches back."""
-    from configs.schema import load_config
-    from models.vllm_backend import VLLMBackend, shutdown_engine
+    from rsiflow.configs.schema import load_config
+    from rsiflow.models.vllm_backend import VLLMBackend, shutdown_engine
 
     vllm_python()  # skips, saying why, where vLLM is not installed
     # The options as configs/vllm-cpu.yaml gives them (a float from the config once crashed vLLM's start);

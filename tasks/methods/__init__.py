@@ -6,27 +6,27 @@ turns the round's stored experience into training rows of a kind the trainer kno
 "sft" or "distill"), writes its own tables, reports its per-round figures and its report section.
 Its algorithm lives in methods/ as plain Python; the module here is the glue to the store and the backend.
 
-Add one: write `tasks/methods/<name>.py` with a `Method` subclass and name it here, or name it in the
-config as "package.module:Class" (no edit here at all).
+Add one: write `tasks/methods/<name>.py` (`rsiflow.tasks.methods.<name>`) with a `Method` subclass and name it
+here, or name it in the config as "package.module:Class" (no edit here at all).
 """
 
 from __future__ import annotations
 
 from importlib import import_module
 
-from tasks.methods.base import AssessContext, Contribution, DistillContext, Method
+from rsiflow.tasks.methods.base import AssessContext, Contribution, DistillContext, Method
 
 __all__ = ["METHODS", "AssessContext", "Contribution", "DistillContext", "Method", "enabled_methods", "method_class",
            "needs_temp_logprobs"]
 
 # name -> "module:Class", imported on first use.
 METHODS: dict[str, str] = {
-    "exit": "tasks.methods.exit:ExIt",
-    "srd": "tasks.methods.srd:SRD",
-    "grpo": "tasks.methods.grpo:GRPO",
-    "xtree": "tasks.methods.xtree:XTree",
-    "rsipo": "tasks.methods.rsipo:RSIPO",
-    "mass": "tasks.methods.mass:MASS",
+    "exit": "rsiflow.tasks.methods.exit:ExIt",
+    "srd": "rsiflow.tasks.methods.srd:SRD",
+    "grpo": "rsiflow.tasks.methods.grpo:GRPO",
+    "xtree": "rsiflow.tasks.methods.xtree:XTree",
+    "rsipo": "rsiflow.tasks.methods.rsipo:RSIPO",
+    "mass": "rsiflow.tasks.methods.mass:MASS",
 }
 
 
@@ -39,7 +39,7 @@ def method_class(name: str) -> type[Method]:
     module, _, attr = target.partition(":")
     cls = getattr(import_module(module), attr, None)
     if not (isinstance(cls, type) and issubclass(cls, Method)):
-        raise ValueError(f"method {name!r}: {target} is not a subclass of tasks.methods.Method")
+        raise ValueError(f"method {name!r}: {target} is not a subclass of rsiflow.tasks.methods.Method")
     return cls
 
 

@@ -49,7 +49,7 @@ class DistillContext:
     def backend(self):
         """The champion's generation backend (opened on first use, shared by the methods of the step)."""
         if self._backend is None:
-            from tasks.common import backend_for
+            from rsiflow.tasks.common import backend_for
 
             self._backend = backend_for(self.cfg, self.champion_path)
         return self._backend
@@ -93,7 +93,7 @@ def distill_row(example: dict, pair: dict) -> dict:
 def teacher_loss(cfg, loss_weight: float, **extra):
     """models.trainer.DistillLoss with this method's `loss_weight` and the divergence settings of distill.srd (one
     set for every privileged-teacher term: SRD, X-Tree's context, RSIPO)."""
-    from models.trainer import DistillLoss
+    from rsiflow.models.trainer import DistillLoss
 
     s = cfg.distill.srd
     return DistillLoss(loss_weight=loss_weight, divergence=s.divergence, beta=s.beta, top_k=s.top_k,

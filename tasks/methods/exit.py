@@ -3,9 +3,9 @@ distill.exit's data filters (methods/exit.py `select_examples`; its distill metr
 
 from __future__ import annotations
 
-from configs.schema import ConfigError
-from methods.exit import select_examples
-from tasks.methods.base import Contribution, DistillContext, Method
+from rsiflow.configs.schema import ConfigError
+from rsiflow.methods.exit import select_examples
+from rsiflow.tasks.methods.base import Contribution, DistillContext, Method
 
 
 def _trains_something(row: dict) -> bool:
@@ -27,7 +27,7 @@ class ExIt(Method):
                  "messages": e.messages, "weight": e.weight,
                  "meta": {**e.meta, **({"tools": ctx.tools} if ctx.tools else {})}} for e in sel.examples]
         if self.cfg.distill.xtree.token_weights:  # per-action weights, written on the trajectories by X-Tree's distill
-            from tasks.methods.xtree import split_by_turn_weights
+            from rsiflow.tasks.methods.xtree import split_by_turn_weights
 
             weights = {t["traj_id"]: t["xtree_turn_weights"] for t in ctx.trajectories if "xtree_turn_weights" in t}
             if rows and not weights:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from statistics import mean
 
-from configs.schema import ConfigError
-from methods.groups import group_counts, group_stats
-from methods.grpo import trajectory_advantages
-from tasks.methods.base import Contribution, DistillContext, Method, num
+from rsiflow.configs.schema import ConfigError
+from rsiflow.methods.groups import group_counts, group_stats
+from rsiflow.methods.grpo import trajectory_advantages
+from rsiflow.tasks.methods.base import Contribution, DistillContext, Method, num
 
 
 class GRPO(Method):
@@ -62,8 +62,8 @@ class GRPO(Method):
                 for e in examples]
 
     def policy_loss(self):
-        from methods.grpo import Correction
-        from models.trainer import PolicyLoss
+        from rsiflow.methods.grpo import Correction
+        from rsiflow.models.trainer import PolicyLoss
 
         c = self.cfg.distill.grpo
         # Greedy rollouts (temperature 0) were scored from the raw logits: the trainer's temperature is then 1.

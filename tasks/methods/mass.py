@@ -1,5 +1,5 @@
 """MASS in a round: workflow search, teacher collection and SFT data in distill; the candidate against the base in
-the gate (METHODS.md §4).
+the gate (docs/methods.md, MASS).
 
 Thin over methods/mass.py. The champion (through the round's generation backend) plays every sub-agent, proposes
 workflow versions (or the structured mutation operator does, `distill.mass.proposer`) and judges pairs of outputs
@@ -32,10 +32,10 @@ import time
 from collections import Counter, defaultdict
 from statistics import mean
 
-from configs.schema import ConfigError
-from envs import env_class
-from envs.base import TaskSpec
-from methods.mass import (
+from rsiflow.configs.schema import ConfigError
+from rsiflow.envs import env_class
+from rsiflow.envs.base import TaskSpec
+from rsiflow.methods.mass import (
     SEED_WORKFLOW,
     Episode,
     PairResult,
@@ -56,10 +56,10 @@ from methods.mass import (
     spec_diff,
     win_rate,
 )
-from methods.rollout import ACTION_STOP, render_observation
-from models.backend import SamplingParams
-from tasks.common import backend_for, env_factory, prompt_setup, round_seed
-from tasks.methods.base import AssessContext, Contribution, DistillContext, Method, num
+from rsiflow.methods.rollout import ACTION_STOP, render_observation
+from rsiflow.models.backend import SamplingParams
+from rsiflow.tasks.common import backend_for, env_factory, prompt_setup, round_seed
+from rsiflow.tasks.methods.base import AssessContext, Contribution, DistillContext, Method, num
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def _verdict_rows(results: list[PairResult], purpose: str, judge_model: str | No
 
 
 class MASS(Method):
-    """MASS (METHODS.md §4): workflow search, self-judged teacher collection, SFT on the bare task."""
+    """MASS (docs/methods.md, MASS): workflow search, self-judged teacher collection, SFT on the bare task."""
 
     name = "mass"
     tables = ("mass_workflows", "mass_episodes", "mass_verdicts", "mass_rankings")

@@ -24,10 +24,10 @@ from collections import defaultdict
 from functools import partial
 from statistics import mean
 
-from configs.schema import ConfigError
-from envs.base import TaskSpec
-from methods.rollout import Episode, run_episodes
-from methods.rsipo import (
+from rsiflow.configs.schema import ConfigError
+from rsiflow.envs.base import TaskSpec
+from rsiflow.methods.rollout import Episode, run_episodes
+from rsiflow.methods.rsipo import (
     LibrarySkill,
     check_skill,
     clean_skill,
@@ -43,8 +43,8 @@ from methods.rsipo import (
     template_skill,
     trust,
 )
-from models.backend import SamplingParams
-from tasks.common import (
+from rsiflow.models.backend import SamplingParams
+from rsiflow.tasks.common import (
     TurnProgress,
     backend_for,
     env_factory,
@@ -54,7 +54,7 @@ from tasks.common import (
     round_seed,
     sampling,
 )
-from tasks.methods.base import Contribution, DistillContext, Method, distill_row, num, teacher_loss
+from rsiflow.tasks.methods.base import Contribution, DistillContext, Method, distill_row, num, teacher_loss
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def _best(members: list[dict]) -> dict:
 
 
 class RSIPO(Method):
-    """RSIPO (METHODS.md §2): skill-policy co-evolution on top of GRPO."""
+    """RSIPO (docs/methods.md, RSIPO): skill-policy co-evolution on top of GRPO."""
 
     name = "rsipo"
     tables = ("rsipo_skills", "rsipo_tests", "rsipo_library", "trajectories", "turns", "foresight")
@@ -104,7 +104,7 @@ class RSIPO(Method):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        from tasks.methods import method_class
+        from rsiflow.tasks.methods import method_class
 
         names = [method_class(n).name for n in cfg.distill.methods]
         if "grpo" not in names:

@@ -15,11 +15,11 @@ import time
 from collections import defaultdict
 from statistics import mean
 
-from configs.schema import Config
-from envs.base import TaskSpec
-from methods.groups import group_counts, group_stats
-from methods.rollout import env_observation
-from methods.srd import (
+from rsiflow.configs.schema import Config
+from rsiflow.envs.base import TaskSpec
+from rsiflow.methods.groups import group_counts, group_stats
+from rsiflow.methods.rollout import env_observation
+from rsiflow.methods.srd import (
     Attempt,
     ForesightPair,
     Note,
@@ -31,9 +31,9 @@ from methods.srd import (
     pitfall_note_messages,
     template_note,
 )
-from models.backend import SamplingParams
-from tasks.common import env_factory, round_seed
-from tasks.methods.base import Contribution, DistillContext, Method, distill_row, num, teacher_loss
+from rsiflow.models.backend import SamplingParams
+from rsiflow.tasks.common import env_factory, round_seed
+from rsiflow.tasks.methods.base import Contribution, DistillContext, Method, distill_row, num, teacher_loss
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ def _srd_rows(ctx: DistillContext, inputs: dict) -> dict:
 
 
 class SRD(Method):
-    """SRD (METHODS.md §1): pitfall notes from failures, distilled into foresight by the privileged teacher."""
+    """SRD (docs/methods.md, SRD): pitfall notes from failures, distilled into foresight by the privileged teacher."""
 
     name = "srd"
     tables = ("notes", "foresight")

@@ -23,10 +23,10 @@ import time
 from collections import defaultdict
 from statistics import mean
 
-from configs.schema import ConfigError
-from methods.srd import with_privileged
-from methods.xtree import MineParams, Trace, Tree, mine, online_bonus, render, turn_weights, weight_runs
-from tasks.methods.base import Contribution, DistillContext, Method, distill_row, num, teacher_loss
+from rsiflow.configs.schema import ConfigError
+from rsiflow.methods.srd import with_privileged
+from rsiflow.methods.xtree import MineParams, Trace, Tree, mine, online_bonus, render, turn_weights, weight_runs
+from rsiflow.tasks.methods.base import Contribution, DistillContext, Method, distill_row, num, teacher_loss
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def split_by_turn_weights(row: dict, weights: list[float]) -> list[dict]:
 def _check_order(cfg) -> None:
     """A use that feeds another method needs that method enabled, after xtree (it reads what xtree's distill
     wrote on the round's trajectories)."""
-    from tasks.methods import method_class
+    from rsiflow.tasks.methods import method_class
 
     c, names = cfg.distill.xtree, cfg.distill.methods
     position = {method_class(n).name: i for i, n in enumerate(names)}
@@ -68,7 +68,7 @@ def _check_order(cfg) -> None:
 
 
 class XTree(Method):
-    """X-Tree (METHODS.md §3): experience tokenization over canonical actions; no LLM calls."""
+    """X-Tree (docs/methods.md, X-Tree): experience tokenization over canonical actions; no LLM calls."""
 
     name = "xtree"
     tables = ("xtree_trees", "xtree_nodes", "xtree_occurrences", "xtree_bonus", "foresight")

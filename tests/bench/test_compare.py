@@ -30,7 +30,7 @@ def test_merge_copies_runs_of_a_store_older_code_wrote(tmp_path):
     """A store written before a later migration lacks that migration's tables: its runs merge, with no rows
     there; merging again copies nothing; a run with more completed rounds replaces the copy."""
     from bench.compare import merge_runs
-    from stores.store import Store
+    from rsiflow.stores.store import Store
 
     src = tmp_path / "old" / "compare.duckdb"
     src.parent.mkdir()

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from configs.schema import ConfigError, load_config
-from models.vllm_backend import reload_compatible
+from rsiflow.configs.schema import ConfigError, load_config
+from rsiflow.models.vllm_backend import reload_compatible
 
 DEFAULT = "configs/default.yaml"
 

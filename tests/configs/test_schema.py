@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from configs.schema import Config, ConfigError, config_reference, load_config
+from rsiflow.configs.schema import Config, ConfigError, config_reference, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -79,7 +79,7 @@ def test_every_field_has_help():
 
 
 def test_unknown_env_and_bad_env_kwargs_fail_before_any_work(tmp_path):
-    from tasks.setup import check_env
+    from rsiflow.tasks.setup import check_env
 
     with pytest.raises(ConfigError, match=r"env.name: unknown env 'kitchen'.*household"):
         check_env(load_config([], ["env.name=kitchen"]))
@@ -91,9 +91,9 @@ def test_unknown_env_and_bad_env_kwargs_fail_before_any_work(tmp_path):
 
 def test_the_configuration_reference_page_is_what_the_schema_says():
     """docs/configuration.md is generated from the schema's help texts: every key has its row, no stale key stays."""
-    from configs.reference import PAGE, main
+    from rsiflow.configs.reference import PAGE, main
 
-    assert main(["--check"]) == 0, f"{PAGE} is out of date: run python -m configs.reference"
+    assert main(["--check"]) == 0, f"{PAGE} is out of date: run python -m rsiflow.configs.reference"
     page = PAGE.read_text()
     table_keys = {line.split("|")[1].strip().strip("`") for line in page.splitlines() if line.startswith("| `")}
     assert table_keys == {path for path, _, _ in config_reference()}
@@ -109,16 +109,16 @@ def test_backend_kind_and_its_own_options_section(tmp_path):
 
 
 def test_options_of_another_backend_are_an_error(monkeypatch):
-    from models import backend as backends
+    from rsiflow.models import backend as backends
 
-    monkeypatch.setitem(backends.BACKENDS, "other", "models.hf_backend:HFBackend")
+    monkeypatch.setitem(backends.BACKENDS, "other", "rsiflow.models.hf_backend:HFBackend")
     assert load_config([], ["backend.kind=other"]).backend.options() == {}
     with pytest.raises(ConfigError, match=r"backend.hf: options of the 'hf' backend, but backend.kind is 'other'"):
         load_config([], ["backend.kind=other", "backend.hf.kv_reuse=true"])
 
 
 def test_unknown_method_fails_before_any_work():
-    from tasks.setup import check_methods
+    from rsiflow.tasks.setup import check_methods
 
     check_methods(load_config([], ["distill.methods=[exit,srd]"]))
     with pytest.raises(ConfigError, match=r"distill.methods: unknown method 'mass2'.*exit.*srd"):

@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import pytest
 
-from envs.arithmetic import LEVELS, ArithmeticEnv, generate_problem, parse_answer
+from rsiflow.envs.arithmetic import LEVELS, ArithmeticEnv, generate_problem, parse_answer
 
 
 @pytest.mark.parametrize("text, value", [

@@ -4,8 +4,8 @@ the current directory the way the `rsiflow` console script does (no cwd on sys.p
 import subprocess
 import sys
 
-from configs.schema import load_config
-from envs import make_env
+from rsiflow.configs.schema import load_config
+from rsiflow.envs import make_env
 from tests.conftest import REPO
 
 
@@ -17,7 +17,7 @@ def test_byo_config_names_the_example_class():
 
 def test_a_user_module_is_found_in_the_current_directory():
     code = ("import sys; assert '' not in sys.path and not any(p.rstrip('/') == '.' for p in sys.path); "
-            "from envs import make_env; env = make_env('examples.countdown_env:CountdownEnv'); print(env.name)")
+            "from rsiflow.envs import make_env; env = make_env('examples.countdown_env:CountdownEnv'); print(env.name)")
     out = subprocess.run([sys.executable, "-I", "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "countdown"

@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from envs import BUILTIN_ENVS, LAZY_ENVS
-from envs.base import Env, StepResult
-from envs.conformance import DEFAULT_TASKS, CallTimedOut, check_env, hostile_actions, main, time_limit
-from envs.household import HouseholdEnv, _kind
-from envs.scienceworld import runtime_missing
-from envs.tooluse import ToolUseEnv
+from rsiflow.envs import BUILTIN_ENVS, LAZY_ENVS
+from rsiflow.envs.base import Env, StepResult
+from rsiflow.envs.conformance import DEFAULT_TASKS, CallTimedOut, check_env, hostile_actions, main, time_limit
+from rsiflow.envs.household import HouseholdEnv, _kind
+from rsiflow.envs.scienceworld import runtime_missing
+from rsiflow.envs.tooluse import ToolUseEnv
 
 PLAIN = sorted(BUILTIN_ENVS) + ["examples.countdown_env:CountdownEnv"]
 SW_KWARGS = {"task_names": ["find-non-living-thing", "find-plant", "lifespan-longest-lived", "power-component"]}
@@ -41,7 +41,7 @@ def test_conformance_of_scienceworld():
     if reason := runtime_missing():
         pytest.skip(f"ScienceWorld can't run here: {reason}")
     # Each action sent to ScienceWorld costs 30-50 ms, so the suite fuzzes it with 1000 (by hand:
-    # python -m envs.conformance scienceworld --fuzz 3000).
+    # rsiflow check-env scienceworld --fuzz 3000).
     report = check_env("scienceworld", SW_KWARGS, tasks=4, seed=0, fuzz=1000)
     assert report.ok, str(report)
     by_name = {r.name: r for r in report.results}

@@ -3,7 +3,7 @@ kwargs its constructor doesn't take or of the wrong type (checked against its si
 
 import pytest
 
-from envs import EnvError, check_env_kwargs, env_class, make_env
+from rsiflow.envs import EnvError, check_env_kwargs, env_class, make_env
 
 
 def test_module_that_raises_at_import_names_the_env_and_the_line(tmp_path, monkeypatch):

@@ -3,9 +3,9 @@
 import duckdb
 import pytest
 
-from envs.scienceworld import runtime_missing
-from flows.round import improvement_round
-from tasks.common import STEPS
+from rsiflow.envs.scienceworld import runtime_missing
+from rsiflow.flows.round import improvement_round
+from rsiflow.tasks.common import STEPS
 from tests.conftest import REPO, tiny_overrides
 
 SMALL = ("model.base=tiny:0", "backend.max_new_tokens=8", "generate.tasks_per_round=4", "generate.group_size=2",

@@ -3,9 +3,9 @@ splits, the conformance check (expert and solution skipped: it has none)."""
 
 import pytest
 
-from envs import make_env
-from envs.conformance import check_env
-from envs.explain import ExplainEnv
+from rsiflow.envs import make_env
+from rsiflow.envs.conformance import check_env
+from rsiflow.envs.explain import ExplainEnv
 
 
 def test_explain_passes_conformance():

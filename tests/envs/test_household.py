@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from envs.base import TaskSpec
-from envs.household import COMBOS, TASK_TYPES, HouseholdEnv
+from rsiflow.envs.base import TaskSpec
+from rsiflow.envs.household import COMBOS, TASK_TYPES, HouseholdEnv
 
 
 def _task(task_type="pick_clean_then_place", **goal):

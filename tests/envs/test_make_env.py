@@ -2,8 +2,8 @@
 
 import pytest
 
-from envs import Env, EnvError, make_env
-from envs.household import HouseholdEnv
+from rsiflow.envs import Env, EnvError, make_env
+from rsiflow.envs.household import HouseholdEnv
 
 
 def test_builtin_name_passes_kwargs():
@@ -13,7 +13,7 @@ def test_builtin_name_passes_kwargs():
 
 
 def test_module_class_form():
-    env = make_env("envs.household:HouseholdEnv", n_distractors=0)
+    env = make_env("rsiflow.envs.household:HouseholdEnv", n_distractors=0)
     assert isinstance(env, HouseholdEnv) and isinstance(env, Env)
     assert env.n_distractors == 0
 
@@ -22,7 +22,7 @@ def test_module_class_that_is_not_an_env():
     with pytest.raises(EnvError, match="not a subclass"):
         make_env("collections:OrderedDict")
     with pytest.raises(ValueError, match="no attribute"):
-        make_env("envs.household:NoSuchEnv")
+        make_env("rsiflow.envs.household:NoSuchEnv")
 
 
 def test_unknown_name_lists_builtins_and_module_form():

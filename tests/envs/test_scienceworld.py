@@ -4,8 +4,8 @@ close), the gold-path expert, refusals and symbols. Skipped with the reason wher
 
 import pytest
 
-from envs import make_env
-from envs.scienceworld import _POOL, normalize_observation, runtime_missing
+from rsiflow.envs import make_env
+from rsiflow.envs.scienceworld import _POOL, normalize_observation, runtime_missing
 
 needs_runtime = pytest.mark.skipif(bool(runtime_missing()), reason=f"ScienceWorld can't run here: {runtime_missing()}")
 SHORT = ["find-non-living-thing", "lifespan-longest-lived"]

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from envs.base import TaskSpec
-from envs.tooluse import TASK_TYPES, TOOLS, ToolError, ToolUseEnv, calculate, parse_call
+from rsiflow.envs.base import TaskSpec
+from rsiflow.envs.tooluse import TASK_TYPES, TOOLS, ToolError, ToolUseEnv, calculate, parse_call
 
 
 def _task():
@@ -57,7 +57,7 @@ def test_malformed_calls_say_what_is_wrong(text, feedback, words):
                                                 ("2 ** 10", "1024"), ("-(4 - 9)", "5"), ("0.1 + 0.2", "0.3"),
                                                 ("3 × 4 ÷ 2", "6"), ("2^3", "8")])
 def test_calculator(expression, value):
-    from envs.tooluse import format_number
+    from rsiflow.envs.tooluse import format_number
 
     assert format_number(calculate(expression)) == value
 
@@ -128,7 +128,7 @@ def test_tools_render_in_the_tokenizer_chat_template():
 
     from transformers import AutoTokenizer
 
-    from models.loading import resolve_base_model
+    from rsiflow.models.loading import resolve_base_model
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_base_model("tiny:0", Path("~/.cache/rsiflow").expanduser()))
     text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=ToolUseEnv().tools(),

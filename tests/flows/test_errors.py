@@ -8,11 +8,11 @@ import textwrap
 
 import pytest
 
-from configs.schema import load_config
-from flows.cli import main
-from stores import Store
-from tasks.methods import Method
-from tasks.setup import identity
+from rsiflow.configs.schema import load_config
+from rsiflow.flows.cli import main
+from rsiflow.stores import Store
+from rsiflow.tasks.methods import Method
+from rsiflow.tasks.setup import identity
 from tests.conftest import REPO, TINY, tiny_overrides
 
 
@@ -48,7 +48,7 @@ def test_set_value_that_is_not_yaml(tmp_path, store_path):
 
 
 def test_debug_shows_the_traceback(tmp_path):
-    from configs.schema import ConfigError
+    from rsiflow.configs.schema import ConfigError
 
     with pytest.raises(ConfigError):
         main(["run", "--debug", "--config", TINY, *sets(*tiny_overrides(tmp_path), "train.learning_rate=[1")])
@@ -80,7 +80,7 @@ def test_bad_model_base_writes_nothing_and_the_corrected_command_is_accepted(tmp
     assert msg.startswith("rsiflow: --set model.base=/nonexistent/model: model.base: ")
     assert "not an HF checkpoint folder" in msg
     assert not store_path.exists()
-    from tasks.setup import ensure_run
+    from rsiflow.tasks.setup import ensure_run
 
     cfg = load_config([TINY], tiny_overrides(tmp_path))
     ensure_run(cfg)
@@ -110,7 +110,7 @@ def test_env_module_that_raises_at_import(tmp_path, store_path, monkeypatch):
 
 def test_env_constructor_that_raises(tmp_path, store_path, monkeypatch):
     (tmp_path / "picky_env.py").write_text(textwrap.dedent("""
-        from envs.household import HouseholdEnv
+        from rsiflow.envs.household import HouseholdEnv
 
         class PickyEnv(HouseholdEnv):
             def __init__(self, **kwargs):
@@ -198,7 +198,7 @@ def test_store_paths_that_cannot_hold_a_store(tmp_path):
 
 def test_store_with_a_newer_schema_is_refused_naming_both_versions(tmp_path, store_path):
     # before: a store at schema version 99 was accepted and written to
-    from stores.migrations import MIGRATIONS
+    from rsiflow.stores.migrations import MIGRATIONS
 
     with Store(store_path) as s:
         s.con.execute("INSERT INTO schema_migrations VALUES (99, 'from the future', now())")

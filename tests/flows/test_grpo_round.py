@@ -11,7 +11,7 @@ from collections import defaultdict
 import duckdb
 import pytest
 
-from envs.base import Env, StepResult, TaskSpec, sample_hashed_tasks, step_guard
+from rsiflow.envs.base import Env, StepResult, TaskSpec, sample_hashed_tasks, step_guard
 from tests.conftest import TINY, tiny_overrides
 
 
@@ -50,7 +50,7 @@ class CoinEnv(Env):
 
 @pytest.mark.slow
 def test_grpo_round_on_mixed_groups(tmp_path, prefect_api):
-    from flows.round import improvement_round
+    from rsiflow.flows.round import improvement_round
 
     overrides = tiny_overrides(tmp_path, "env.name=tests.flows.test_grpo_round:CoinEnv", "env.kwargs={}",
                                "env.max_turns=1", "env.show_admissible=false", "env.project_actions=false",
@@ -95,7 +95,7 @@ def test_grpo_round_on_mixed_groups(tmp_path, prefect_api):
 def test_a_round_of_uniform_groups_trains_no_candidate(tmp_path, prefect_api):
     """Every group all-pass: every advantage is 0, nothing can be trained, so no candidate (a copy of the
     champion) is registered or gated: the gate records a skip, the rows are still stored and counted."""
-    from flows.round import improvement_round
+    from rsiflow.flows.round import improvement_round
 
     overrides = tiny_overrides(tmp_path, "env.name=tests.flows.test_grpo_round:CoinEnv", "env.kwargs={always: true}",
                                "env.max_turns=1", "env.show_admissible=false", "env.project_actions=false",

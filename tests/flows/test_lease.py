@@ -10,10 +10,10 @@ import time
 import duckdb
 import pytest
 
-import flows.lease as lease_mod
-from configs.schema import load_config
-from flows.lease import LeaseLostError, RunBusyError, run_lease
-from stores import Store
+import rsiflow.flows.lease as lease_mod
+from rsiflow.configs.schema import load_config
+from rsiflow.flows.lease import LeaseLostError, RunBusyError, run_lease
+from rsiflow.stores import Store
 from tests.conftest import TINY, tiny_overrides
 from tests.stores.test_lease import dead_pid
 
@@ -128,7 +128,7 @@ def test_holder_taken_over_stops_before_its_next_step(cfg, monkeypatch):
 
 
 def test_rsiflow_run_exits_with_one_line_when_the_run_is_busy(tmp_path, tiny_path, capsys):
-    from flows.cli import main
+    from rsiflow.flows.cli import main
 
     overrides = tiny_overrides(tmp_path)
     cfg = load_config([TINY], overrides)

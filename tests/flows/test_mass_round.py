@@ -23,7 +23,7 @@ COMMON = ("env.kwargs={}", "env.show_admissible=false", "env.project_actions=fal
 
 @pytest.mark.slow
 def test_two_mass_cycles_every_artifact_traced_by_sql(tmp_path, prefect_api):
-    from flows.self_improve import self_improve
+    from rsiflow.flows.self_improve import self_improve
 
     overrides = tiny_overrides(tmp_path, f"env.name={PARITY}", "env.max_turns=1", "distill.mass.judge=oracle",
                                "distill.mass.proposer=mutation", "run.rounds=2", *COMMON)
@@ -91,7 +91,7 @@ def test_two_mass_cycles_every_artifact_traced_by_sql(tmp_path, prefect_api):
 
 @pytest.mark.slow
 def test_a_mass_round_on_explain_with_the_model_as_only_judge(tmp_path, prefect_api):
-    from flows.round import improvement_round
+    from rsiflow.flows.round import improvement_round
 
     overrides = tiny_overrides(tmp_path, "env.name=explain", "env.max_turns=2", "distill.mass.teacher=single_agent",
                                *COMMON)

@@ -12,7 +12,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from tasks.methods import METHODS, Contribution, DistillContext, Method, method_class
+from rsiflow.tasks.methods import METHODS, Contribution, DistillContext, Method, method_class
 from tests.conftest import REPO, TINY, tiny_overrides
 
 TOY_WEIGHT = 0.25
@@ -55,7 +55,7 @@ def test_the_steps_never_name_a_method():
 
 @pytest.mark.slow
 def test_a_toy_method_runs_through_a_tiny_round_without_editing_a_step(tmp_path, prefect_api, monkeypatch):
-    from flows.round import improvement_round
+    from rsiflow.flows.round import improvement_round
 
     monkeypatch.setitem(METHODS, "toy", "tests.flows.test_method_seam:Toy")
     result = improvement_round([TINY], tiny_overrides(tmp_path, "distill.methods=[toy]"))

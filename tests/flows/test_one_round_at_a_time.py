@@ -10,10 +10,10 @@ import sys
 import duckdb
 import pytest
 
-from configs.schema import load_config
+from rsiflow.configs.schema import load_config
 from tests.conftest import REPO, TINY, tiny_overrides
 
-RSIFLOW = [sys.executable, "-m", "flows.cli"]
+RSIFLOW = [sys.executable, "-m", "rsiflow.flows.cli"]
 DEFAULT = str(REPO / "configs" / "default.yaml")
 
 
@@ -65,9 +65,9 @@ def test_self_improve_holds_the_lease_names_and_tags_its_flow_runs(tmp_path, pre
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags, LogFilter, LogFilterFlowRunId
 
-    from flows.round import run_tags
-    from flows.self_improve import self_improve
-    from stores import Store
+    from rsiflow.flows.round import run_tags
+    from rsiflow.flows.self_improve import self_improve
+    from rsiflow.stores import Store
 
     overrides = tiny_overrides(tmp_path, "run.name=lease-si")
     cfg = load_config([TINY], overrides)
@@ -97,7 +97,7 @@ def test_serve_names_deployments_after_the_run_and_says_what_it_replaces(tmp_pat
     from prefect.exceptions import ObjectNotFound
     from prefect.settings import PREFECT_API_URL
 
-    from flows.cli import deployment_changes, serve_deployments
+    from rsiflow.flows.cli import deployment_changes, serve_deployments
 
     monkeypatch.chdir(REPO)
     tiny = serve_deployments([TINY], [], load_config([TINY]), None)

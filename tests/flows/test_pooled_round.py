@@ -10,7 +10,7 @@ from uuid import UUID
 
 import pytest
 
-from configs.schema import ConfigError, load_config
+from rsiflow.configs.schema import ConfigError, load_config
 from tests.conftest import TINY, tiny_overrides
 
 # SRD's template notes give the tiny round training examples (so train, gate and deploy do real work); no KV reuse
@@ -40,14 +40,14 @@ def test_pools_default_to_one_process_and_name_a_bad_step(tmp_path):
 
 
 def test_the_schema_knows_the_pipeline_steps():
-    from tasks.common import STEPS
+    from rsiflow.tasks.common import STEPS
 
     for step in STEPS:
         load_config([TINY], [f"prefect.pools={{{step}: p}}"])
 
 
 def test_a_step_run_gets_the_validated_config_with_shared_paths_absolute(tmp_path, monkeypatch):
-    from flows.pooled import config_from_payload, config_payload, deployment_name
+    from rsiflow.flows.pooled import config_from_payload, config_payload, deployment_name
 
     monkeypatch.chdir(tmp_path)
     cfg = load_config([TINY], ["run.store=rel/store.duckdb", "run.run_dir=rel/{name}", POOLS_SET])
@@ -67,7 +67,7 @@ def test_a_step_run_gets_the_validated_config_with_shared_paths_absolute(tmp_pat
 def test_pooled_round_needs_a_server_the_workers_reach(tmp_path, monkeypatch):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.pooled import check_pools
+    from rsiflow.flows.pooled import check_pools
 
     # No API address anywhere: not in the environment, and not in Prefect's settings context either (the session's
     # `prefect_api` harness sets one there when a slow test ran earlier in the same pytest process).
@@ -97,12 +97,12 @@ def test_a_round_with_its_steps_on_two_process_pools(tmp_path, prefect_api):
 
     from bench.chaos import compare, table_rows
     from bench.round import process_workers
-    from flows.errors import StepFailed
-    from flows.pooled import check_pools
-    from flows.pooled_step import deploy_steps
-    from flows.round import improvement_round
-    from tasks.common import STEPS
-    from tasks.setup import config_differences
+    from rsiflow.flows.errors import StepFailed
+    from rsiflow.flows.pooled import check_pools
+    from rsiflow.flows.pooled_step import deploy_steps
+    from rsiflow.flows.round import improvement_round
+    from rsiflow.tasks.common import STEPS
+    from rsiflow.tasks.setup import config_differences
 
     pooled, ref = tmp_path / "pooled", tmp_path / "ref"
     overrides = tiny_overrides(pooled, *SETS, POOLS_SET)

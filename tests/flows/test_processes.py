@@ -12,10 +12,10 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from stores.store import Store, StoreLockedError
+from rsiflow.stores.store import Store, StoreLockedError
 from tests.conftest import REPO, TINY, tiny_overrides
 
-RSIFLOW = [sys.executable, "-m", "flows.cli"]
+RSIFLOW = [sys.executable, "-m", "rsiflow.flows.cli"]
 
 
 def _env(tmp_path: Path, **extra) -> dict:

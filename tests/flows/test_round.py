@@ -5,9 +5,9 @@ import re
 
 import duckdb
 
-from configs.schema import load_config
-from flows.round import improvement_round
-from tasks.common import STEPS
+from rsiflow.configs.schema import load_config
+from rsiflow.flows.round import improvement_round
+from rsiflow.tasks.common import STEPS
 from tests.conftest import TINY, tiny_overrides
 
 
@@ -58,10 +58,10 @@ def test_trained_candidate_is_gated_promoted_and_serves(tmp_path, prefect_api):
     method would write), then the round resumes: real SFT, gate, registry, redeploy."""
     from prefect import flow
 
-    from stores.store import Store
-    from tasks.evaluate import evaluate_rollouts
-    from tasks.generate import generate_rollouts
-    from tasks.setup import ensure_run
+    from rsiflow.stores.store import Store
+    from rsiflow.tasks.evaluate import evaluate_rollouts
+    from rsiflow.tasks.generate import generate_rollouts
+    from rsiflow.tasks.setup import ensure_run
     from tests.models.test_sft import expert_conversation
 
     overrides = tiny_overrides(tmp_path, "gate.rule=always", "train.epochs=2")
@@ -117,7 +117,7 @@ def test_second_round_reuses_champion_results_and_continues(tmp_path, prefect_ap
 
 
 def test_cli_status_and_report_read_the_store(tmp_path, prefect_api, capsys):
-    from flows.cli import main
+    from rsiflow.flows.cli import main
 
     overrides = tiny_overrides(tmp_path)
     improvement_round([TINY], overrides)

@@ -16,7 +16,7 @@ from tests.conftest import TINY, tiny_overrides
 
 @pytest.mark.slow
 def test_two_rsipo_rounds_traced_from_skill_to_candidate(tmp_path, prefect_api):
-    from flows.round import improvement_round
+    from rsiflow.flows.round import improvement_round
 
     overrides = tiny_overrides(tmp_path, "env.name=tests.tasks.test_rsipo_method:ParityEnv", "env.kwargs={}",
                                "env.max_turns=1", "env.show_admissible=false", "env.project_actions=false",

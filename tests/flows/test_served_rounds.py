@@ -7,9 +7,9 @@ import json
 import duckdb
 import pytest
 
-from flows.round import improvement_round
-from models import openai_backend
-from tasks.common import STEPS
+from rsiflow.flows.round import improvement_round
+from rsiflow.models import openai_backend
+from rsiflow.tasks.common import STEPS
 
 pytestmark = pytest.mark.slow
 

@@ -38,7 +38,7 @@ def start_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     # A generate step of ~1 min (the tiny round otherwise ends in seconds: on a loaded machine the signal landed
     # after it had finished, and the run exited 0).
     longer = ("generate.tasks_per_round=16", "generate.group_size=8", "backend.max_new_tokens=64")
-    cmd = [sys.executable, "-m", "flows.cli", "run", "--config", TINY,
+    cmd = [sys.executable, "-m", "rsiflow.flows.cli", "run", "--config", TINY,
            *[a for o in tiny_overrides(tmp_path, *longer) for a in ("--set", o)]]
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(tmp_path), stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True, preexec_fn=as_terminal_job)
@@ -109,7 +109,7 @@ def test_ctrl_c_and_sigterm_of_serve(tmp_path):
     and its server with it."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         log = tmp_path / f"serve-{sig.name}.log"
-        cmd = [sys.executable, "-m", "flows.cli", "serve", "--config", TINY,
+        cmd = [sys.executable, "-m", "rsiflow.flows.cli", "serve", "--config", TINY,
                *[a for o in tiny_overrides(tmp_path) for a in ("--set", o)]]
         proc = subprocess.Popen(cmd, cwd=REPO, env=_env(tmp_path), stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                 start_new_session=True, preexec_fn=as_terminal_job)

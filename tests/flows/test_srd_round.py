@@ -5,7 +5,7 @@ import json
 
 import duckdb
 
-from flows.round import improvement_round
+from rsiflow.flows.round import improvement_round
 from tests.conftest import TINY, tiny_overrides
 
 

@@ -5,8 +5,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from flows.cli import main
-from stores import Store
+from rsiflow.flows.cli import main
+from rsiflow.stores import Store
 from tests.conftest import TINY, tiny_overrides
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from stores.store import Store
+from rsiflow.stores.store import Store
 from tests.conftest import REPO, TINY, tiny_overrides
 
 CHROMIUM = os.environ.get("RSIFLOW_CHROMIUM") or shutil.which("chromium-headless-shell") or shutil.which("chromium")
@@ -43,8 +43,8 @@ def _api(api: str, path: str, body: dict) -> list | dict:
 
 def _rsiflow(env: dict, log: Path, *args: str) -> int:
     with open(log, "a") as out:
-        return subprocess.run([sys.executable, "-m", "flows.cli", "run", "--config", TINY, *args], cwd=REPO, env=env,
-                              stdout=out, stderr=subprocess.STDOUT, timeout=1200).returncode
+        return subprocess.run([sys.executable, "-m", "rsiflow.flows.cli", "run", "--config", TINY, *args], cwd=REPO,
+                              env=env, stdout=out, stderr=subprocess.STDOUT, timeout=1200).returncode
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from collections import defaultdict
 import duckdb
 import pytest
 
-from envs.base import Env, StepResult, TaskSpec, sample_hashed_tasks, step_guard
+from rsiflow.envs.base import Env, StepResult, TaskSpec, sample_hashed_tasks, step_guard
 from tests.conftest import TINY, tiny_overrides
 
 
@@ -54,7 +54,7 @@ class UpDownEnv(Env):
 
 @pytest.mark.slow
 def test_a_round_with_every_xtree_use(tmp_path, prefect_api):
-    from flows.round import improvement_round
+    from rsiflow.flows.round import improvement_round
 
     overrides = tiny_overrides(tmp_path, "env.name=tests.flows.test_xtree_round:UpDownEnv", "env.kwargs={}",
                                "env.max_turns=3", "env.show_admissible=false", "env.project_actions=false",

@@ -3,10 +3,10 @@ only, a cap per task type, and the counts of what each dropped."""
 
 import pytest
 
-from configs.schema import load_config
-from methods.exit import exit_examples, select_examples
-from tasks.methods.base import DistillContext, Method
-from tasks.methods.exit import ExIt
+from rsiflow.configs.schema import load_config
+from rsiflow.methods.exit import exit_examples, select_examples
+from rsiflow.tasks.methods.base import DistillContext, Method
+from rsiflow.tasks.methods.exit import ExIt
 from tests.conftest import TINY, tiny_overrides
 
 PREFIX = [{"role": "system", "content": "s"}]

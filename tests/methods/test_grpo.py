@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from methods.grpo import Correction, correction_weight, group_advantages, mismatch_stats, trajectory_advantages
+from rsiflow.methods.grpo import Correction, correction_weight, group_advantages, mismatch_stats, trajectory_advantages
 
 
 def test_grpo_advantages_by_hand():

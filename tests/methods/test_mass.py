@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from methods.mass import (
+from rsiflow.methods.mass import (
     FINAL_ROLE,
     SEED_WORKFLOW,
     Agent,

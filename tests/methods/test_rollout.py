@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from envs import make_env
-from envs.household import HouseholdEnv
-from methods.rollout import Episode, env_observation, render_observation, run_episodes
-from models.backend import SamplingParams
-from models.hf_backend import HFBackend
-from models.loading import resolve_base_model
+from rsiflow.envs import make_env
+from rsiflow.envs.household import HouseholdEnv
+from rsiflow.methods.rollout import Episode, env_observation, render_observation, run_episodes
+from rsiflow.models.backend import SamplingParams
+from rsiflow.models.hf_backend import HFBackend
+from rsiflow.models.loading import resolve_base_model
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_env_observation_inverts_the_rendering():
 
 def test_the_env_tools_reach_the_backend(backend):
     """ToolUseEnv's tool schemas go with every batched call (the chat template gets them)."""
-    from envs.tooluse import ToolUseEnv
+    from rsiflow.envs.tooluse import ToolUseEnv
 
     env = ToolUseEnv()
     log = CallLog(backend)

@@ -1,10 +1,11 @@
-"""RSIPO's plain-Python parts on hand-made numbers: gains, noise, the empirical-Bayes trust weight (METHODS.md §2),
-the leak checker, the template writer, where the skill goes in a prompt, library retrieval and retirement."""
+"""RSIPO's plain-Python parts on hand-made numbers: gains, noise, the empirical-Bayes trust weight
+(docs/methods.md, RSIPO), the leak checker, the template writer, where the skill goes in a prompt, library
+retrieval and retirement."""
 
 import pytest
 
-from methods.rollout import render_observation
-from methods.rsipo import (
+from rsiflow.methods.rollout import render_observation
+from rsiflow.methods.rsipo import (
     SKILL_HEADER,
     LibrarySkill,
     check_skill,

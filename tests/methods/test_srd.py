@@ -5,9 +5,9 @@ import re
 
 import pytest
 
-from envs import make_env
-from methods.rollout import prompt_prefix, render_observation
-from methods.srd import (
+from rsiflow.envs import make_env
+from rsiflow.methods.rollout import prompt_prefix, render_observation
+from rsiflow.methods.srd import (
     FORESIGHT_REQUEST,
     PRIVILEGED_HEADER,
     Attempt,

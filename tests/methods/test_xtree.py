@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from methods.xtree import (
+from rsiflow.methods.xtree import (
     MineParams,
     Trace,
     bonus_weight,

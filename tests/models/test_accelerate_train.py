@@ -18,9 +18,9 @@ import pytest
 import torch
 import yaml
 
-from configs.schema import ConfigError, TrainConfig, load_config
-from models.launch import LaunchError, check_supported, launch_command, train_launched, uses_launcher
-from models.trainer import DistillLoss, PolicyLoss, train_candidate
+from rsiflow.configs.schema import ConfigError, TrainConfig, load_config
+from rsiflow.models.launch import LaunchError, check_supported, launch_command, train_launched, uses_launcher
+from rsiflow.models.trainer import DistillLoss, PolicyLoss, train_candidate
 from tests.conftest import REPO, TINY, tiny_overrides
 
 # Measured here (2 CPU cores shared with a background job): loss curves SFT 1.2e-7, SFT+distillation+validation
@@ -68,7 +68,7 @@ def test_launch_command_writes_an_accelerate_config_that_accelerate_reads(tmp_pa
     assert cmd[cmd.index("--config_file") + 1] == str(tmp_path / "accelerate.yaml")
     assert cmd[cmd.index("--num_processes") + 1] == "2"
     assert cmd[cmd.index("--main_process_port") + 1] == "12345"
-    assert cmd[-3:] == ["-m", "models.train_worker", str(tmp_path)]
+    assert cmd[-3:] == ["-m", "rsiflow.models.train_worker", str(tmp_path)]
     written = load_config_from_file(str(tmp_path / "accelerate.yaml"))
     assert written.distributed_type == "MULTI_GPU" and written.num_machines == 1 and written.num_processes == 2
     assert written.mixed_precision == "no"
@@ -117,7 +117,7 @@ def test_sharded_parameters_refuse_what_needs_whole_weights():
 
 def _weight_deviation(parent: Path, one: Path, two: Path) -> float:
     """||w_two - w_one|| over all weights, relative to how far training moved them (||w_one - w_parent||)."""
-    from models.loading import load_model_and_tokenizer
+    from rsiflow.models.loading import load_model_and_tokenizer
 
     p, a, b = (load_model_and_tokenizer(x)[0].state_dict() for x in (parent, one, two))
     diff = sum(float(((a[k] - b[k]).double() ** 2).sum()) for k in a) ** 0.5
@@ -242,8 +242,8 @@ def test_grpo_rows_with_riding_rows_two_processes_match_one(tiny_path, tmp_path)
 def test_grpo_round_with_two_training_processes_registers_the_candidate(tmp_path, prefect_api):
     import duckdb
 
-    from flows.round import improvement_round
-    from models.loading import load_model_and_tokenizer
+    from rsiflow.flows.round import improvement_round
+    from rsiflow.models.loading import load_model_and_tokenizer
 
     overrides = tiny_overrides(tmp_path, "env.name=tests.flows.test_grpo_round:CoinEnv", "env.kwargs={}",
                                "env.max_turns=1", "env.show_admissible=false", "env.project_actions=false",

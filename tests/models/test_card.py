@@ -1,7 +1,7 @@
 """Model cards: README.md in a checkpoint folder with rsiflow's facts as front matter, updated after the gate,
 readable by huggingface_hub, and no obstacle to from_pretrained."""
 
-from models.card import read_model_card, update_model_card, write_model_card
+from rsiflow.models.card import read_model_card, update_model_card, write_model_card
 
 FACTS = {"model_id": "demo/r2/candidate", "run": "demo", "round": 2, "parent_id": "demo/r1/candidate",
          "parent_path": "/runs/demo/models/round-1-candidate", "methods": ["exit", "srd"],
@@ -40,7 +40,7 @@ def test_huggingface_hub_reads_the_card_and_from_pretrained_loads_the_folder(tmp
 
 
 def test_a_base_checkpoint_rsiflow_makes_has_a_card(tmp_path, model_cache):
-    from models.loading import EMBEDDED_DIRNAME, resolve_base_model
+    from rsiflow.models.loading import EMBEDDED_DIRNAME, resolve_base_model
 
     if (model_cache / EMBEDDED_DIRNAME / "config.json").is_file():   # its tokenizer, without the GGUF conversion
         (tmp_path / EMBEDDED_DIRNAME).symlink_to(model_cache / EMBEDDED_DIRNAME)

@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from configs.schema import TrainConfig
-from models.encoding import MisalignedCompletion, encode_pair
-from models.loading import load_model_and_tokenizer
-from models.losses import importance_weights, topk_divergence
-from models.trainer import DistillLoss, train_candidate
+from rsiflow.configs.schema import TrainConfig
+from rsiflow.models.encoding import MisalignedCompletion, encode_pair
+from rsiflow.models.loading import load_model_and_tokenizer
+from rsiflow.models.losses import importance_weights, topk_divergence
+from rsiflow.models.trainer import DistillLoss, train_candidate
 
 # teacher p = [0.5, 0.3, 0.15, 0.05], student q uniform; k = 2: the teacher's top-2 are tokens 0 and 1,
 # the tail bucket holds the rest: T = [0.5, 0.3, 0.2], S = [0.25, 0.25, 0.5].

@@ -2,7 +2,7 @@
 
 from transformers import AutoTokenizer
 
-from models.encoding import encode_rows, tokenize_conversation
+from rsiflow.models.encoding import encode_rows, tokenize_conversation
 
 MSGS = [{"role": "system", "content": "Solve it."},
         {"role": "user", "content": "What is 2+3?"},

@@ -4,9 +4,9 @@ stop strings and lengths end rows as documented."""
 import pytest
 import torch
 
-from models.backend import SamplingParams
-from models.hf_backend import HFBackend, clear_backends, get_backend
-from models.loading import resolve_base_model
+from rsiflow.models.backend import SamplingParams
+from rsiflow.models.hf_backend import HFBackend, clear_backends, get_backend
+from rsiflow.models.loading import resolve_base_model
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 
@@ -190,7 +190,7 @@ def test_get_backend_reuses_a_loaded_model_and_finds_a_redeployed_one(tiny_path,
 
 
 def test_open_backend_by_kind(tiny_path):
-    from models.backend import BACKENDS, open_backend
+    from rsiflow.models.backend import BACKENDS, open_backend
 
     assert "hf" in BACKENDS
     clear_backends()

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from models.backend import Interrupted, SamplingParams, interrupt_calls_in_flight
-from models.hf_backend import HFBackend
-from models.openai_backend import OpenAIBackend
+from rsiflow.models.backend import Interrupted, SamplingParams, interrupt_calls_in_flight
+from rsiflow.models.hf_backend import HFBackend
+from rsiflow.models.openai_backend import OpenAIBackend
 from tests.models.test_openai_multi import CHATS, FakeServer
 
 LONG = SamplingParams(max_new_tokens=4000, temperature=1.0, seed=0)

@@ -4,8 +4,8 @@ never what is generated (greedy outputs equal the plain path's), and the kept st
 import pytest
 import torch
 
-from models.backend import SamplingParams
-from models.hf_backend import HFBackend, clear_backends, get_backend
+from rsiflow.models.backend import SamplingParams
+from rsiflow.models.hf_backend import HFBackend, clear_backends, get_backend
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, stop=("\n",))
 

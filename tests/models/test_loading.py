@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from models import loading
-from models.loading import load_model_and_tokenizer, resolve_base_model, save_checkpoint
+from rsiflow.models import loading
+from rsiflow.models.loading import load_model_and_tokenizer, resolve_base_model, save_checkpoint
 
 
 def _state(path):

@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from configs.schema import TrainConfig
-from models.loading import load_model_and_tokenizer, resolve_base_model
-from models.trainer import PolicyLoss, encode_pg_rows, train_candidate
+from rsiflow.configs.schema import TrainConfig
+from rsiflow.models.loading import load_model_and_tokenizer, resolve_base_model
+from rsiflow.models.trainer import PolicyLoss, encode_pg_rows, train_candidate
 
 SYSTEM = {"role": "system", "content": "You are in a house. Reply with one action."}
 EPISODES = [  # (task, first action, observation, second action)

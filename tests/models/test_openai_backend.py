@@ -12,10 +12,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from models.backend import SamplingParams
-from models.hf_backend import HFBackend
-from models.loading import load_model_and_tokenizer, save_checkpoint
-from models.openai_backend import OpenAIBackend
+from rsiflow.models.backend import SamplingParams
+from rsiflow.models.hf_backend import HFBackend
+from rsiflow.models.loading import load_model_and_tokenizer, save_checkpoint
+from rsiflow.models.openai_backend import OpenAIBackend
 
 
 def _closed_port() -> int:
@@ -83,7 +83,7 @@ def test_retries_with_backoff_then_cuts_the_row_at_eos(tiny_path):
 
 
 def test_redeploy_none_refuses_another_checkpoint(tiny_path, tmp_path, model_cache):
-    from models.loading import resolve_base_model
+    from rsiflow.models.loading import resolve_base_model
 
     url = f"http://127.0.0.1:{_closed_port()}/v1"
     backend = OpenAIBackend(str(tiny_path), base_url=url, model="m", retries=0)

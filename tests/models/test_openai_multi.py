@@ -28,12 +28,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from configs.schema import ConfigError, load_config
-from models import openai_backend
-from models.backend import SamplingParams
-from models.openai_backend import OpenAIBackend
+from rsiflow.configs.schema import ConfigError, load_config
+from rsiflow.models import openai_backend
+from rsiflow.models.backend import SamplingParams
+from rsiflow.models.openai_backend import OpenAIBackend
 
-LOGGER = "models.openai_backend"
+LOGGER = "rsiflow.models.openai_backend"
 CHATS = [[{"role": "user", "content": f"task {i}: put the {['apple', 'mug', 'key'][i % 3]} in room {i}"}]
          for i in range(24)]
 SEEDED = SamplingParams(max_new_tokens=6, temperature=1.0, top_p=1.0, seed=11)
@@ -311,7 +311,7 @@ def test_with_every_server_out_each_is_probed_at_once(tiny_path, servers):
 
 
 def test_a_config_with_base_urls_opens_a_backend_over_all_of_them(tiny_path, servers):
-    from tasks.common import backend_for
+    from rsiflow.tasks.common import backend_for
 
     two = servers(2)
     urls = ", ".join(s.url for s in two)

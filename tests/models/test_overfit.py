@@ -8,11 +8,11 @@ the generations are noise; without the logprob_change metric the lookup fails (K
 
 import pytest
 
-from configs.schema import TrainConfig
-from methods.rollout import ACTION_STOP
-from models.backend import SamplingParams
-from models.hf_backend import HFBackend
-from models.trainer import train_candidate
+from rsiflow.configs.schema import TrainConfig
+from rsiflow.methods.rollout import ACTION_STOP
+from rsiflow.models.backend import SamplingParams
+from rsiflow.models.hf_backend import HFBackend
+from rsiflow.models.trainer import train_candidate
 
 SYSTEM = {"role": "system", "content": "You are a calculator. Reply with the answer only."}
 PAIRS = [(3, 4), (2, 5), (6, 1), (8, 9), (4, 4), (7, 2), (5, 6), (9, 3)]

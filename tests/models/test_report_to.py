@@ -3,8 +3,8 @@ folder rsiflow names, and the trainer leaves no folder of its own beside the can
 
 import pytest
 
-from configs.schema import TrainConfig
-from models.trainer import train_candidate
+from rsiflow.configs.schema import TrainConfig
+from rsiflow.models.trainer import train_candidate
 from tests.models.test_sft import expert_conversation
 
 

@@ -6,13 +6,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from configs.schema import TrainConfig
-from envs import make_env
-from methods.rollout import prompt_prefix, render_observation
-from models.encoding import encode_rows, tokenize_conversation
-from models.loading import load_model_and_tokenizer
-from models.losses import weighted_token_ce
-from models.trainer import train_candidate
+from rsiflow.configs.schema import TrainConfig
+from rsiflow.envs import make_env
+from rsiflow.methods.rollout import prompt_prefix, render_observation
+from rsiflow.models.encoding import encode_rows, tokenize_conversation
+from rsiflow.models.loading import load_model_and_tokenizer
+from rsiflow.models.losses import weighted_token_ce
+from rsiflow.models.trainer import train_candidate
 
 
 def expert_conversation(seed: int, few_shot: bool = True):

@@ -3,8 +3,8 @@ rounding), in both layouts the trainers use; and training with it follows the sa
 
 import torch
 
-from models.loading import load_model_and_tokenizer
-from models.shared_prefix import MIN_SHARED_PREFIX, common_prefix, completion_logps, shared_prefix_logits
+from rsiflow.models.loading import load_model_and_tokenizer
+from rsiflow.models.shared_prefix import MIN_SHARED_PREFIX, common_prefix, completion_logps, shared_prefix_logits
 
 PREFIX = list(range(100, 100 + 2 * MIN_SHARED_PREFIX))      # 64 shared tokens (a few-shot prompt stands in)
 OWN = [[7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20, 21], [22, 23, 24, 25]]
@@ -75,8 +75,8 @@ def test_completion_logps_match_the_plain_left_padded_forward(tiny_path):
 
 
 def test_training_with_a_shared_prefix_follows_the_same_loss_curve(tiny_path, tmp_path):
-    from configs.schema import TrainConfig
-    from models.trainer import train_candidate
+    from rsiflow.configs.schema import TrainConfig
+    from rsiflow.models.trainer import train_candidate
 
     system = {"role": "system", "content": "You solve arithmetic problems. " * 12}
     rows = [{"kind": "sft", "example_id": f"e{i}", "weight": 1.0, "train_from": 2,

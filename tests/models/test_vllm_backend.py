@@ -11,11 +11,11 @@ import os
 import pytest
 import torch
 
-from envs import make_env
-from methods.rollout import Episode, run_episodes
-from models.backend import SamplingParams
-from models.hf_backend import HFBackend
-from models.loading import load_model_and_tokenizer, save_checkpoint
+from rsiflow.envs import make_env
+from rsiflow.methods.rollout import Episode, run_episodes
+from rsiflow.models.backend import SamplingParams
+from rsiflow.models.hf_backend import HFBackend
+from rsiflow.models.loading import load_model_and_tokenizer, save_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -211,7 +211,7 @@ def test_an_engine_killed_parent_leaves_no_process(smollm2_path, tmp_path):
     script = tmp_path / "hold.py"
     script.write_text(
         "import sys, time\n"
-        "from models import vllm_backend as vb\n"
+        "from rsiflow.models import vllm_backend as vb\n"
         f"b = vb.VLLMBackend.open({str(smollm2_path)!r}, python={vllm_python()!r}, kv_cache_gib=1, "
         "enforce_eager=True)\n"
         "print(vb._ENGINE.handle.proc.pid, flush=True)\n"
@@ -233,8 +233,8 @@ def test_an_interrupt_ends_the_call_in_flight_and_the_next_call_starts_a_new_eng
     import threading
     import time
 
-    from models import vllm_backend as vb
-    from models.backend import Interrupted, interrupt_calls_in_flight
+    from rsiflow.models import vllm_backend as vb
+    from rsiflow.models.backend import Interrupted, interrupt_calls_in_flight
 
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
     before = vllm_backend.generate(PROMPTS[:2], greedy)
@@ -275,8 +275,8 @@ def test_sigterm_delivered_to_another_thread_stops_a_call_in_the_main_thread(vll
     import threading
     import time
 
-    from flows.cli import Terminated, _stop
-    from models import vllm_backend as vb
+    from rsiflow.flows.cli import Terminated, _stop
+    from rsiflow.models import vllm_backend as vb
 
     vllm_backend.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, temperature=0.0))
     if not hasattr(vb._ENGINE.handle, "proc"):
@@ -310,7 +310,7 @@ def test_a_call_unwound_by_another_handler_is_not_waited_for_at_shutdown(vllm_ba
     import threading
     import time
 
-    from models import vllm_backend as vb
+    from rsiflow.models import vllm_backend as vb
 
     class Unwound(Exception):
         pass
@@ -346,7 +346,7 @@ def test_shutdown_during_a_generate_call_leaves_no_process(vllm_backend, smollm2
     import threading
     import time
 
-    from models import vllm_backend as vb
+    from rsiflow.models import vllm_backend as vb
 
     vllm_backend.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, temperature=0.0))
     if not hasattr(vb._ENGINE.handle, "proc"):

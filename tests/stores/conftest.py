@@ -1,6 +1,6 @@
 import pytest
 
-from stores import Store
+from rsiflow.stores import Store
 
 
 @pytest.fixture

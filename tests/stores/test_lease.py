@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 
-from stores import Store
+from rsiflow.stores import Store
 
 HOST = "host-a"
 

@@ -1,7 +1,7 @@
 """Migrations run once, on first open, and are recorded."""
 
-from stores import Store
-from stores.migrations import MIGRATIONS
+from rsiflow.stores import Store
+from rsiflow.stores.migrations import MIGRATIONS
 
 
 def test_migrations_apply_once_and_are_recorded(tmp_path):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stores import Store, StoreLockedError
+from rsiflow.stores import Store, StoreLockedError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,7 +28,7 @@ def test_locked_store_raises_then_opens_after_holder_exits(tmp_path):
     path = tmp_path / "rsiflow.duckdb"
     holder = start(f"""
         import time
-        from stores import Store
+        from rsiflow.stores import Store
         store = Store({str(path)!r})
         print("ready", flush=True)
         time.sleep(60)
@@ -50,7 +50,7 @@ def test_opening_waits_for_a_short_holder(tmp_path):
     path = tmp_path / "rsiflow.duckdb"
     holder = start(f"""
         import time
-        from stores import Store
+        from rsiflow.stores import Store
         with Store({str(path)!r}) as store:
             print("ready", flush=True)
             time.sleep(0.5)
@@ -66,7 +66,7 @@ def test_kill_mid_step_keeps_last_commit(tmp_path):
     writer = start(f"""
         import time
         import pyarrow as pa
-        from stores import Store
+        from rsiflow.stores import Store
         store = Store({str(path)!r})
         with store.step("r", 0, "A") as tx:
             tx.insert("trajectories", [{{"traj_id": "a1"}}, {{"traj_id": "a2"}}])

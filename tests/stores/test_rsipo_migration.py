@@ -6,8 +6,8 @@ from datetime import datetime
 import duckdb
 import pytest
 
-from stores import Store
-from stores.migrations import MIGRATIONS
+from rsiflow.stores import Store
+from rsiflow.stores.migrations import MIGRATIONS
 
 
 def test_replay_purpose_on_a_store_from_before_migration_8(tmp_path):

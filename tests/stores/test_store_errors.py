@@ -5,9 +5,9 @@ schema newer than the code's."""
 import duckdb
 import pytest
 
-from stores import Store
-from stores.migrations import MIGRATIONS
-from stores.store import StoreError, StoreLockedError
+from rsiflow.stores import Store
+from rsiflow.stores.migrations import MIGRATIONS
+from rsiflow.stores.store import StoreError, StoreLockedError
 
 NEWEST = max(v for v, _, _ in MIGRATIONS)
 

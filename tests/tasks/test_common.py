@@ -3,7 +3,7 @@ the prompt setup (prefix and tools) used for generation and training alike."""
 
 import pytest
 
-from configs.schema import load_config
+from rsiflow.configs.schema import load_config
 from tests.conftest import TINY, tiny_overrides
 
 
@@ -20,8 +20,8 @@ def spy_on_loader(monkeypatch, module) -> dict:
 
 
 def test_backend_for_opens_the_configured_kind_with_its_options_and_trust_remote_code(monkeypatch, tiny_path):
-    import models.hf_backend as hb
-    from tasks.common import backend_for
+    import rsiflow.models.hf_backend as hb
+    from rsiflow.tasks.common import backend_for
 
     seen = spy_on_loader(monkeypatch, hb)
     hb.clear_backends()
@@ -35,8 +35,7 @@ def test_backend_for_opens_the_configured_kind_with_its_options_and_trust_remote
 
 
 def test_the_trainer_passes_trust_remote_code(monkeypatch, tiny_path, tmp_path):
-    import models.trainer as trainer
-
+    import rsiflow.models.trainer as trainer
     seen = spy_on_loader(monkeypatch, trainer)
     cfg = load_config([TINY])
     trainer.train_candidate(tiny_path, [], tmp_path / "c", cfg.train, trust_remote_code=True)
@@ -45,7 +44,7 @@ def test_the_trainer_passes_trust_remote_code(monkeypatch, tiny_path, tmp_path):
 
 @pytest.mark.parametrize("env,has_tools", [("household", False), ("tooluse", True)])
 def test_prompt_setup_gives_the_prefix_and_the_env_tools(env, has_tools):
-    from tasks.common import prompt_setup
+    from rsiflow.tasks.common import prompt_setup
 
     prefix, tools = prompt_setup(load_config([TINY], [f"env.name={env}", "env.kwargs={}"]))
     assert prefix[0]["role"] == "system" and (tools is not None) == has_tools
@@ -54,7 +53,7 @@ def test_prompt_setup_gives_the_prefix_and_the_env_tools(env, has_tools):
 def test_training_encodes_a_row_with_the_tools_generation_saw(tiny_path):
     from transformers import AutoTokenizer
 
-    from models.encoding import encode_rows
+    from rsiflow.models.encoding import encode_rows
 
     tok = AutoTokenizer.from_pretrained(tiny_path)
     tok.chat_template = "{% if tools %}TOOLS: {{ tools | tojson }}\\n{% endif %}" + tok.chat_template
@@ -73,8 +72,8 @@ def test_training_encodes_a_row_with_the_tools_generation_saw(tiny_path):
 def test_temperature_only_logprobs_are_asked_for_only_when_a_method_reads_them():
     """`score_temp_logprobs: auto` costs a full prefill per row on vLLM: the generate step asks for them only
     where GRPO's (or RSIPO's) correction needs them; an explicit option wins."""
-    from models.backend import SamplingParams, wants_scoring
-    from tasks.methods import needs_temp_logprobs
+    from rsiflow.models.backend import SamplingParams, wants_scoring
+    from rsiflow.tasks.methods import needs_temp_logprobs
 
     def needs(methods):
         return needs_temp_logprobs(load_config([TINY], [f"distill.methods={methods}"]))
@@ -88,9 +87,9 @@ def test_temperature_only_logprobs_are_asked_for_only_when_a_method_reads_them()
 def test_redeploy_loads_nothing_in_a_process_that_holds_no_model(tiny_path, model_cache, tmp_path):
     """A deploy step in a fresh process (a pool worker, a resume after a kill) records the switch without loading
     the previous champion only to replace its weights; where a model is held, that one is switched."""
-    from models.hf_backend import HFBackend, clear_backends
-    from models.loading import resolve_base_model
-    from tasks.common import backend_for, redeploy_backend
+    from rsiflow.models.hf_backend import HFBackend, clear_backends
+    from rsiflow.models.loading import resolve_base_model
+    from rsiflow.tasks.common import backend_for, redeploy_backend
 
     cfg = load_config([TINY], tiny_overrides(tmp_path))
     other = resolve_base_model("tiny:1", model_cache)
@@ -109,14 +108,14 @@ def test_redeploy_loads_nothing_in_a_process_that_holds_no_model(tiny_path, mode
 
 
 def test_a_backend_without_must_redeploy_is_always_opened_and_switched(monkeypatch, tmp_path):
-    from tasks.common import redeploy_backend
+    from rsiflow.tasks.common import redeploy_backend
 
     class Plain:   # a user's backend with only open/generate/serve
         def serve(self, path):
             return {"kind": "plain", "action": "switched", "path": path, "seconds": 0.0}
 
-    monkeypatch.setattr("models.backend.backend_class", lambda kind: Plain)
-    monkeypatch.setattr("tasks.common.backend_for", lambda cfg, path: Plain())
+    monkeypatch.setattr("rsiflow.models.backend.backend_class", lambda kind: Plain)
+    monkeypatch.setattr("rsiflow.tasks.common.backend_for", lambda cfg, path: Plain())
     cfg = load_config([TINY], tiny_overrides(tmp_path))
     assert redeploy_backend(cfg, "old", "new") == {"kind": "plain", "action": "switched", "path": "new",
                                                    "seconds": 0.0}

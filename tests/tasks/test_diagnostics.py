@@ -4,11 +4,11 @@ tasks plays what the config says."""
 
 import pytest
 
-from configs.schema import load_config
-from models.loading import resolve_base_model
-from stores.store import Store
-from tasks.diagnostics import learning_diagnostics
-from tasks.gate import HeldoutPlays, heldout_tasks
+from rsiflow.configs.schema import load_config
+from rsiflow.models.loading import resolve_base_model
+from rsiflow.stores.store import Store
+from rsiflow.tasks.diagnostics import learning_diagnostics
+from rsiflow.tasks.gate import HeldoutPlays, heldout_tasks
 from tests.conftest import TINY, tiny_overrides
 
 

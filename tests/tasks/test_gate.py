@@ -7,10 +7,10 @@ import logging
 
 import pytest
 
-import tasks.gate as gate
-from configs.schema import ConfigError, load_config
-from envs import make_env
-from stores.store import Store
+import rsiflow.tasks.gate as gate
+from rsiflow.configs.schema import ConfigError, load_config
+from rsiflow.envs import make_env
+from rsiflow.stores.store import Store
 from tests.conftest import TINY, tiny_overrides
 
 RUN = "tiny"

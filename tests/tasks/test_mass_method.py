@@ -10,11 +10,11 @@ import json
 
 import pytest
 
-from configs.schema import ConfigError, load_config
-from envs.base import Env, StepResult, TaskSpec, sample_hashed_tasks, step_guard
-from stores import Store
-from tasks.common import prompt_setup
-from tasks.methods import AssessContext, DistillContext, enabled_methods
+from rsiflow.configs.schema import ConfigError, load_config
+from rsiflow.envs.base import Env, StepResult, TaskSpec, sample_hashed_tasks, step_guard
+from rsiflow.stores import Store
+from rsiflow.tasks.common import prompt_setup
+from rsiflow.tasks.methods import AssessContext, DistillContext, enabled_methods
 from tests.conftest import TINY
 
 ENV = "tests.tasks.test_mass_method:ParityEnv"
@@ -156,7 +156,7 @@ def test_self_judge_on_explain_and_assessment(tmp_path, tiny_path):
                                "distill.mass.episodes_per_task=2", "distill.mass.opponents=1",
                                "distill.mass.assess_tasks=3"])
     (method,) = enabled_methods(cfg)
-    from envs.explain import ExplainEnv
+    from rsiflow.envs.explain import ExplainEnv
 
     tasks = ExplainEnv().sample_tasks("train", 2, 1)
     prefix, tools = prompt_setup(cfg)
@@ -202,7 +202,7 @@ def test_ring_settings_are_checked(override, key):
 
 
 def test_trainer_keeps_the_lowest_validation_loss_checkpoint(tmp_path, tiny_path):
-    from models.trainer import train_candidate
+    from rsiflow.models.trainer import train_candidate
 
     cfg = load_config([TINY], ["train.epochs=3", "train.learning_rate=5e-2", "train.batch_size=2"]).train
     convo = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi there friend"}]
@@ -217,9 +217,9 @@ def test_trainer_keeps_the_lowest_validation_loss_checkpoint(tmp_path, tiny_path
     assert len(losses) == 3 and metrics["validation_loss_best"] == min(losses)
     assert metrics["validation_best_epoch"] == losses.index(min(losses)) + 1
     # the saved checkpoint is the best epoch's: its validation loss is the best one
-    from models.encoding import encode_rows
-    from models.loading import load_model_and_tokenizer
-    from models.trainer import BestValidationCallback
+    from rsiflow.models.encoding import encode_rows
+    from rsiflow.models.loading import load_model_and_tokenizer
+    from rsiflow.models.trainer import BestValidationCallback
 
     model, tok = load_model_and_tokenizer(tmp_path / "out")
     enc, _ = encode_rows(tok, [rows[-1]], 512)
@@ -228,7 +228,7 @@ def test_trainer_keeps_the_lowest_validation_loss_checkpoint(tmp_path, tiny_path
 
 
 def test_report_section_shows_the_figures_with_intervals():
-    from tasks.methods.mass import MASS
+    from rsiflow.tasks.methods.mass import MASS
 
     m = {"teacher": "workflow", "retained_hops": "analyst -> solver", "collected": True, "accepted": 1, "versions": 4,
          "judge": "self", "judge_agreement": 0.5, "examples": 8, "validation_examples": 8, "train_answer_tokens": 120,
@@ -256,7 +256,7 @@ def test_a_model_proposal_that_is_no_spec_becomes_a_recorded_mutation(tmp_path, 
 
 
 def test_tooluse_calc_answers_are_verified_and_examples_carry_the_tools(tmp_path, tiny_path):
-    from envs.tooluse import ToolUseEnv
+    from rsiflow.envs.tooluse import ToolUseEnv
 
     cfg = load_config([TINY], [f"run.store={tmp_path / 'store.duckdb'}", f"run.run_dir={tmp_path / 'run'}",
                                "env.name=tooluse", "env.kwargs={task_types: [calc], max_steps: 6}", "env.max_turns=6",

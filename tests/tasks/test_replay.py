@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from configs.schema import load_config
-from stores.store import Store
-from tasks.methods import enabled_methods
-from tasks.train import replay_buffer, select_replay
+from rsiflow.configs.schema import load_config
+from rsiflow.stores.store import Store
+from rsiflow.tasks.methods import enabled_methods
+from rsiflow.tasks.train import replay_buffer, select_replay
 from tests.conftest import TINY, tiny_overrides
 
 RUN = "tiny"
@@ -145,11 +145,11 @@ def test_a_round_without_examples_trains_from_the_base_on_the_buffer(tmp_path, p
     base) on the buffer, with the replayed examples in its lineage, and retention keeps the base."""
     from prefect import flow
 
-    from flows.round import improvement_round
-    from models.card import read_model_card
-    from tasks.evaluate import evaluate_rollouts
-    from tasks.generate import generate_rollouts
-    from tasks.setup import ensure_run
+    from rsiflow.flows.round import improvement_round
+    from rsiflow.models.card import read_model_card
+    from rsiflow.tasks.evaluate import evaluate_rollouts
+    from rsiflow.tasks.generate import generate_rollouts
+    from rsiflow.tasks.setup import ensure_run
     from tests.models.test_sft import expert_conversation
 
     overrides = tiny_overrides(tmp_path, "gate.rule=always", "train.init=base", "train.replay.rounds=null",

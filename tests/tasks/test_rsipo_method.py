@@ -12,13 +12,13 @@ from statistics import mean
 
 import pytest
 
-from configs.schema import ConfigError, load_config
-from envs.base import Env, StepResult, TaskSpec, sample_hashed_tasks, step_guard
-from methods.rollout import Episode
-from methods.rsipo import SKILL_HEADER, noise_variance
-from stores import Store
-from tasks.common import backend_for, env_factory, episode_rows, play, prompt_setup, trajectories_with_turns
-from tasks.methods import DistillContext, enabled_methods
+from rsiflow.configs.schema import ConfigError, load_config
+from rsiflow.envs.base import Env, StepResult, TaskSpec, sample_hashed_tasks, step_guard
+from rsiflow.methods.rollout import Episode
+from rsiflow.methods.rsipo import SKILL_HEADER, noise_variance
+from rsiflow.stores import Store
+from rsiflow.tasks.common import backend_for, env_factory, episode_rows, play, prompt_setup, trajectories_with_turns
+from rsiflow.tasks.methods import DistillContext, enabled_methods
 from tests.conftest import TINY
 
 
@@ -138,7 +138,7 @@ def test_a_round_of_skills_replays_trust_and_library(tmp_path, tiny_path):
         rs, rt = [s["reward"] for s in students], [r["reward"] for r in replays]
         assert t["gain"] == pytest.approx(mean(rt) - mean(rs))
         assert t["noise_var"] == pytest.approx(noise_variance(rs, rt))
-    # the empirical-Bayes fit per task type, as METHODS.md §2 writes it
+    # the empirical-Bayes fit per task type, as docs/methods.md, RSIPO writes it
     by_type = defaultdict(list)
     for t in tests:
         by_type[t["task_type"]].append(t)
@@ -181,8 +181,8 @@ def test_a_round_of_skills_replays_trust_and_library(tmp_path, tiny_path):
     assert out.metrics["library_size"] == sum(r["status"] == "active" for r in library)
 
     # training: the rows train a candidate; distill rows and evolution rows are both trained
-    from models.trainer import train_candidate
-    from tasks.train import _one_loss
+    from rsiflow.models.trainer import train_candidate
+    from rsiflow.tasks.train import _one_loss
 
     methods = enabled_methods(cfg)
     examples = [{**e, "meta": json.loads(e["meta"] or "{}")} for e in store.examples_dataset("tiny", 1)]
@@ -254,9 +254,9 @@ def test_trust_weights_scale_the_distillation_term(tiny_path):
     weights only move the term between rows."""
     import torch
 
-    from models.encoding import encode_rows
-    from models.loading import load_model_and_tokenizer
-    from models.trainer import DistillLoss, RowCollator, RowLoss
+    from rsiflow.models.encoding import encode_rows
+    from rsiflow.models.loading import load_model_and_tokenizer
+    from rsiflow.models.trainer import DistillLoss, RowCollator, RowLoss
 
     model, tok = load_model_and_tokenizer(tiny_path)
     student = [{"role": "user", "content": "Parity 1: reply."}, {"role": "assistant", "content": "hello there"}]
@@ -284,7 +284,7 @@ def test_trust_weights_scale_the_distillation_term(tiny_path):
 def test_on_household_the_teacher_sees_the_skill_where_the_replay_did(tmp_path, tiny_path):
     """The real env's task message (observation, admissible actions, "Your action:"): each replay's first message is
     the student's first message with the skill inserted by `with_skill`, the teacher's insertion."""
-    from methods.rsipo import skill_block, with_skill
+    from rsiflow.methods.rsipo import skill_block, with_skill
 
     cfg = load_config([TINY], [f"run.store={tmp_path / 'store.duckdb'}", f"run.run_dir={tmp_path / 'run'}",
                                "distill.methods=[grpo,rsipo]", "distill.rsipo.skill_writer=template",

@@ -6,9 +6,9 @@ import copy
 
 import pytest
 
-from configs.schema import ConfigError, load_config
-from stores import Store
-from tasks.setup import check_same_run, config_differences, ensure_run, identity
+from rsiflow.configs.schema import ConfigError, load_config
+from rsiflow.stores import Store
+from rsiflow.tasks.setup import check_same_run, config_differences, ensure_run, identity
 from tests.conftest import TINY, tiny_overrides
 
 

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from configs.schema import ConfigError, load_config
-from stores import Store
-from tasks.common import trajectories_with_turns
-from tasks.methods import DistillContext, enabled_methods
+from rsiflow.configs.schema import ConfigError, load_config
+from rsiflow.stores import Store
+from rsiflow.tasks.common import trajectories_with_turns
+from rsiflow.tasks.methods import DistillContext, enabled_methods
 from tests.conftest import TINY
 
 PREFIX = [{"role": "system", "content": "Act."}]
