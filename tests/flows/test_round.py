@@ -62,7 +62,7 @@ def test_trained_candidate_is_gated_promoted_and_serves(tmp_path, prefect_api):
     from rsiflow.tasks.evaluate import evaluate_rollouts
     from rsiflow.tasks.generate import generate_rollouts
     from rsiflow.tasks.setup import ensure_run
-    from tests.models.test_sft import expert_conversation
+    from tests.models.test_trainer_sft import expert_conversation
 
     overrides = tiny_overrides(tmp_path, "gate.rule=always", "train.epochs=2")
     cfg = load_config([TINY], overrides)

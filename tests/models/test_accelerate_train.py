@@ -140,7 +140,7 @@ def _compare(one: dict, two: dict) -> float:
 
 @pytest.mark.slow
 def test_sft_two_processes_match_one_and_a_crashed_job_fails_in_one_line(tiny_path, tmp_path):
-    from tests.models.test_sft import expert_conversation
+    from tests.models.test_trainer_sft import expert_conversation
 
     rows = []
     for seed in range(8):  # unequal weights: the token-sum normaliser across processes is exercised
@@ -174,8 +174,8 @@ def test_sft_two_processes_match_one_and_a_crashed_job_fails_in_one_line(tiny_pa
 def test_sft_distillation_and_validation_rows_two_processes_match_one(tiny_path, tmp_path):
     """SRD-style privileged-teacher rows (EMA teacher) mixed with weighted SFT rows, plus MASS-style validation rows
     (best epoch restored): batches of each process hold different mixes, the normalisers are summed over them."""
-    from tests.models.test_distill import _pair
-    from tests.models.test_sft import expert_conversation
+    from tests.models.test_trainer_distill import _pair
+    from tests.models.test_trainer_sft import expert_conversation
 
     student, teacher = _pair()
     rows = [{"example_id": f"d{i}", "kind": "distill", "student": student, "teacher": teacher, "train_from": 2,
@@ -210,8 +210,8 @@ def test_sft_distillation_and_validation_rows_two_processes_match_one(tiny_path,
 def test_grpo_rows_with_riding_rows_two_processes_match_one(tiny_path, tmp_path):
     """GRPO rows with an SFT row and a distillation row riding along (current-weights teacher, ema_rate 0): the
     processes run different numbers of forward passes (one holds the aux rows of a slot, the other none)."""
-    from tests.models.test_distill import _pair
     from tests.models.test_grpo_trainer import episodes, pg_rows
+    from tests.models.test_trainer_distill import _pair
 
     played = episodes(tiny_path, n_tasks=3, group=2)
     student, teacher = _pair()

@@ -5,7 +5,7 @@ import pytest
 
 from rsiflow.configs.schema import TrainConfig
 from rsiflow.models.trainer import train_candidate
-from tests.models.test_sft import expert_conversation
+from tests.models.test_trainer_sft import expert_conversation
 
 
 def _rows(n=4):

@@ -207,8 +207,9 @@ OPEN = r"""
 import sys, time
 from pathlib import Path
 import rsiflow.stores.lake as lake
-spec, data, go = sys.argv[1:4]
+spec, data, go, ready = sys.argv[1:5]
 lake.connect(spec, data, False).close()   # attached (extensions loaded) before the start signal
+Path(ready).touch()                       # tells the test this process waits for it
 while not Path(go).exists():
     time.sleep(0.01)
 from rsiflow.stores.store import Store
@@ -225,9 +226,14 @@ def test_processes_creating_one_new_lake_at_once_apply_each_migration_once(clust
     recorded once."""
     spec = cluster.createdb("fresh")
     go = tmp_path / "go"
-    procs = [subprocess.Popen([str(LAKE_PYTHON), "-c", OPEN, spec, str(tmp_path / "data"), str(go)], cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV) for _ in range(4)]
-    time.sleep(25)
+    ready = [tmp_path / f"ready-{i}" for i in range(4)]
+    procs = [subprocess.Popen([str(LAKE_PYTHON), "-c", OPEN, spec, str(tmp_path / "data"), str(go), str(r)],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+             for r in ready]
+    deadline = time.monotonic() + 300
+    while not all(r.exists() for r in ready):   # every process attached: release them at one instant
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "a process did not get ready"
+        time.sleep(0.05)
     go.touch()
     for p in procs:
         stdout, stderr = p.communicate(timeout=300)

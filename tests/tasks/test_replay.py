@@ -150,7 +150,7 @@ def test_a_round_without_examples_trains_from_the_base_on_the_buffer(tmp_path, p
     from rsiflow.tasks.evaluate import evaluate_rollouts
     from rsiflow.tasks.generate import generate_rollouts
     from rsiflow.tasks.setup import ensure_run
-    from tests.models.test_sft import expert_conversation
+    from tests.models.test_trainer_sft import expert_conversation
 
     overrides = tiny_overrides(tmp_path, "gate.rule=always", "train.init=base", "train.replay.rounds=null",
                                "distill.exit.min_reward=2.0")   # ExIt keeps no rollout: round 2 has no examples
