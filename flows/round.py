@@ -31,13 +31,13 @@ from rsiflow.tasks.evaluate import evaluate_rollouts
 from rsiflow.tasks.gate import gate_candidate
 from rsiflow.tasks.generate import generate_rollouts
 from rsiflow.tasks.setup import ensure_run
-from rsiflow.tasks.train import train_candidate
+from rsiflow.tasks.train import train_round
 
 STEP_TASKS = {
     "generate": generate_rollouts,
     "evaluate": evaluate_rollouts,
     "distill": distill_examples,
-    "train": train_candidate,
+    "train": train_round,
     "gate": gate_candidate,
     "deploy": redeploy,
 }

@@ -35,7 +35,7 @@ def base_model_id(cfg: Config) -> str:
     return f"{cfg.run.name}/base"
 
 
-def check_env(cfg: Config) -> None:
+def check_env_config(cfg: Config) -> None:
     """Load the configured env, check its kwargs against its constructor and build it once, so a bad env name,
     module or kwarg fails before any work, naming the key and where its value came from."""
     name, kwargs = cfg.env.name, cfg.env.kwargs
@@ -131,7 +131,7 @@ def ensure_run(cfg: Config) -> str:
     then write the run row and register the base model as 'base' (round 0's 'init' step). Nothing is written
     before every input is checked. The round count is not part of a run's identity: asking for more rounds
     continues it."""
-    check_env(cfg)
+    check_env_config(cfg)
     check_methods(cfg)
     run_id = cfg.run.name
     # An existing store is checked before anything else is written (a store refused on opening is left as it

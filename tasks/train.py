@@ -115,7 +115,7 @@ def _skip(cfg: Config, round: int, started, metrics: dict, why: str) -> dict:
 
 
 @task(name="train", cache_policy=NONE)
-def train_candidate(cfg: Config, round: int) -> dict:
+def train_round(cfg: Config, round: int) -> dict:
     started = utcnow()
     from tqdm.auto import tqdm
 

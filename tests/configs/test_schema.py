@@ -79,14 +79,14 @@ def test_every_field_has_help():
 
 
 def test_unknown_env_and_bad_env_kwargs_fail_before_any_work(tmp_path):
-    from rsiflow.tasks.setup import check_env
+    from rsiflow.tasks.setup import check_env_config
 
     with pytest.raises(ConfigError, match=r"env.name: unknown env 'kitchen'.*household"):
-        check_env(load_config([], ["env.name=kitchen"]))
+        check_env_config(load_config([], ["env.name=kitchen"]))
     with pytest.raises(ConfigError, match=r"--set env.kwargs.rooms=3: env.kwargs.rooms: .*takes no argument 'rooms'"):
-        check_env(load_config([], ["env.kwargs.rooms=3"]))
+        check_env_config(load_config([], ["env.kwargs.rooms=3"]))
     with pytest.raises(ConfigError, match=r"env.name: .*no_such_module"):
-        check_env(load_config([], ["env.name=no_such_module:Env"]))
+        check_env_config(load_config([], ["env.name=no_such_module:Env"]))
 
 
 def test_the_configuration_reference_page_is_what_the_schema_says():
