@@ -124,6 +124,26 @@ class VLLMBackendConfig(_Section):
         "up (minutes on a 2-core CPU).")
 
 
+DEFAULT_URL = "http://127.0.0.1:8000/v1"   # the openai backend's server when no URL is given
+
+
+def server_urls(base_url: str | None, base_urls: list[str] | None) -> list[str]:
+    """The servers to use: `base_urls`, or `base_url` as a one-element list (the default URL when neither is
+    given). Both given, a duplicate or a URL that is not http(s) is a ValueError naming the key."""
+    if base_url is not None and base_urls:
+        raise ValueError("backend.openai.base_url and backend.openai.base_urls are both set: give one "
+                         "(base_urls for several servers)")
+    key = "backend.openai.base_urls" if base_urls else "backend.openai.base_url"
+    urls = [str(u).rstrip("/") for u in (base_urls or [base_url or DEFAULT_URL])]
+    for u in urls:
+        if not u.startswith(("http://", "https://")):
+            raise ValueError(f"{key}: {u!r} is not an http:// or https:// URL")
+    dup = sorted({u for u in urls if urls.count(u) > 1})
+    if dup:
+        raise ValueError(f"{key}: {dup} listed more than once")
+    return urls
+
+
 class OpenAIBackendConfig(_Section):
     base_url: str | None = Field(None, description="Base URL of the one OpenAI-compatible server (its /completions "
         "endpoint is used); null = http://127.0.0.1:8000/v1 unless base_urls is set. Set base_url or base_urls, "
@@ -157,9 +177,7 @@ class OpenAIBackendConfig(_Section):
     @field_validator("base_url", "base_urls")
     @classmethod
     def _http_urls_not_both(cls, v: str | list[str] | None, info) -> str | list[str] | None:
-        """http(s) URLs, none twice, and base_url or base_urls, not both (models.openai_backend.server_urls)."""
-        from rsiflow.models.openai_backend import server_urls
-
+        """http(s) URLs, none twice, and base_url or base_urls, not both (server_urls)."""
         if not v:
             return v
         try:

@@ -52,6 +52,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from rsiflow.configs.schema import DEFAULT_URL, server_urls  # noqa: F401  (DEFAULT_URL: re-exported)
 from rsiflow.models.backend import (
     Generation,
     SamplingParams,
@@ -61,7 +62,6 @@ from rsiflow.models.backend import (
     wants_scoring,
 )
 
-DEFAULT_URL = "http://127.0.0.1:8000/v1"
 # Per process, shared by every OpenAIBackend (a deploy step's backend and the next step's see the same servers):
 _SERVING: dict[str, str] = {}              # base URL -> the checkpoint that server serves (as far as we know)
 _DOWN: dict[str, tuple[float, str]] = {}   # base URL -> (time.monotonic() it was taken out, its last error)
@@ -82,23 +82,6 @@ def _same(a: str | None, b: str | None) -> bool:
 def _root(url: str) -> str:
     """The server's root (its dev endpoints live there): the base URL without a trailing /v1."""
     return url[:-3] if url.endswith("/v1") else url
-
-
-def server_urls(base_url: str | None, base_urls: list[str] | None) -> list[str]:
-    """The servers to use: `base_urls`, or `base_url` as a one-element list (the default URL when neither is
-    given). Both given, a duplicate or a URL that is not http(s) is a ValueError naming the key."""
-    if base_url is not None and base_urls:
-        raise ValueError("backend.openai.base_url and backend.openai.base_urls are both set: give one "
-                         "(base_urls for several servers)")
-    key = "backend.openai.base_urls" if base_urls else "backend.openai.base_url"
-    urls = [str(u).rstrip("/") for u in (base_urls or [base_url or DEFAULT_URL])]
-    for u in urls:
-        if not u.startswith(("http://", "https://")):
-            raise ValueError(f"{key}: {u!r} is not an http:// or https:// URL")
-    dup = sorted({u for u in urls if urls.count(u) > 1})
-    if dup:
-        raise ValueError(f"{key}: {dup} listed more than once")
-    return urls
 
 
 class OpenAIBackend:
