@@ -513,7 +513,8 @@ class TrainConfig(_Section):
     shared_prefix: bool = Field(True, description="Encode the token prefix that every row of a batch starts with "
         "(system prompt, few-shot turns) once per batch instead of once per row, its keys/values shared by the rows "
         "(the same loss and gradients up to rounding: the prefix's gradient is the sum over rows, as before). With "
-        "few-shot prompts most of a row is that prefix.")
+        "few-shot prompts most of a row is that prefix. In one training process only: with train.processes > 1 each "
+        "row is encoded whole (DistributedDataParallel expects one forward pass per backward).")
     warmup_ratio: float = Field(0.1, ge=0.0, lt=1.0, description="Share of the training steps over which the "
         "learning rate rises linearly from 0 to its peak.")
     lr_scheduler: str = Field("cosine", description="transformers scheduler name of the learning rate after warm-up "

@@ -52,7 +52,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from rsiflow.configs.schema import DEFAULT_URL, server_urls  # noqa: F401  (DEFAULT_URL: re-exported)
+from rsiflow.configs.schema import server_urls
 from rsiflow.models.backend import (
     Generation,
     SamplingParams,

@@ -14,7 +14,7 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
          *sorted((REPO / "bench" / "results").glob("*/README.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 QUOTED = re.compile(r"`([\w.-]+(?:/[\w.<>{}*-]+)+)`")
-# a page of the repository: docs/x.md, a folder's README.md, or an upper-case page such as DESIGN.md (a lower-case
+# a page of the repository: docs/x.md, a folder's README.md, or a bare upper-case page name (a lower-case
 # bare name, e.g. report.md, is a file a run writes)
 MD_IN_CODE = re.compile(r"(?<![\w/.-])((?:[\w-]+/)+[\w-]+\.md|[A-Z][A-Z_-]*\.md)\b")
 

@@ -3,6 +3,7 @@
 from transformers import AutoTokenizer
 
 from rsiflow.models.encoding import encode_rows, tokenize_conversation
+from tests.models.test_trainer_sft import labelled_spans
 
 MSGS = [{"role": "system", "content": "Solve it."},
         {"role": "user", "content": "What is 2+3?"},
@@ -13,20 +14,9 @@ MSGS = [{"role": "system", "content": "Solve it."},
         {"role": "assistant", "content": "answer: 2"}]             # 6
 
 
-def _spans(out: dict) -> list[list[int]]:
-    spans, cur = [], []
-    for tid, lab in zip(out["input_ids"], out["labels"]):
-        if lab != -100:
-            assert lab == tid
-            cur.append(tid)
-        elif cur:
-            spans.append(cur)
-            cur = []
-    return spans + ([cur] if cur else [])
-
 
 def _decoded(tok, out: dict) -> list[str]:
-    return [tok.decode(s).replace("<|im_end|>", "").strip() for s in _spans(out)]
+    return [tok.decode(s).replace("<|im_end|>", "").strip() for s in labelled_spans(out)]
 
 
 def test_an_untrained_assistant_message_gets_no_labels_the_others_keep_theirs(tiny_path):

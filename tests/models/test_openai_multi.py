@@ -28,7 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from rsiflow.configs.schema import ConfigError, load_config
+from rsiflow.configs.schema import DEFAULT_URL, ConfigError, load_config, server_urls
 from rsiflow.models import openai_backend
 from rsiflow.models.backend import SamplingParams
 from rsiflow.models.openai_backend import OpenAIBackend
@@ -340,7 +340,7 @@ def test_base_url_and_base_urls(tiny_path, servers):
         load_config(["configs/default.yaml"], ["backend.kind=openai", f"backend.openai.base_urls=[{a.url}, x]"])
     opts = load_config(["configs/default.yaml"], ["backend.kind=openai"]).backend.options()
     assert opts["base_url"] is None and opts["base_urls"] == []
-    assert openai_backend.server_urls(None, None) == [openai_backend.DEFAULT_URL]
+    assert server_urls(None, None) == [DEFAULT_URL]
 
 
 # -- two real `vllm serve` CPU servers ----------------------------------------------------------------------

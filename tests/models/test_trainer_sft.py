@@ -32,12 +32,8 @@ def expert_conversation(seed: int, few_shot: bool = True):
         msgs.append({"role": "user", "content": render_observation(res.observation, env.admissible_actions(), True)})
 
 
-def test_labels_cover_exactly_the_episode_actions(tiny_path):
-    tok = AutoTokenizer.from_pretrained(tiny_path)
-    msgs, train_from = expert_conversation(3)
-    out = tokenize_conversation(tok, msgs, train_from)
-    assert len(out["input_ids"]) == len(out["labels"])
-    # contiguous labelled spans, decoded, are the actions each followed by the end-of-turn marker
+def labelled_spans(out: dict) -> list[list[int]]:
+    """The runs of labelled tokens of an encoded row (each label equal to its input token)."""
     spans, cur = [], []
     for tid, lab in zip(out["input_ids"], out["labels"]):
         if lab != -100:
@@ -46,8 +42,16 @@ def test_labels_cover_exactly_the_episode_actions(tiny_path):
         elif cur:
             spans.append(cur)
             cur = []
-    if cur:
-        spans.append(cur)
+    return spans + ([cur] if cur else [])
+
+
+def test_labels_cover_exactly_the_episode_actions(tiny_path):
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    msgs, train_from = expert_conversation(3)
+    out = tokenize_conversation(tok, msgs, train_from)
+    assert len(out["input_ids"]) == len(out["labels"])
+    # contiguous labelled spans, decoded, are the actions each followed by the end-of-turn marker
+    spans = labelled_spans(out)
     own_actions = [m["content"] for m in msgs[train_from:] if m["role"] == "assistant"]
     decoded = [tok.decode(s) for s in spans]
     assert [d.replace("<|im_end|>", "").strip() for d in decoded] == own_actions
