@@ -6,10 +6,8 @@ import inspect
 import re
 
 import pytest
-
-trl = pytest.importorskip("trl")
-
-from trl import GRPOTrainer, SFTTrainer  # noqa: E402
+import trl
+from trl import GRPOTrainer, SFTTrainer
 
 
 def _params(fn) -> list[str]:
