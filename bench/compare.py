@@ -21,6 +21,11 @@ allows one writer, so runs go one after another, and each subprocess frees its m
 to <out>/logs/<run>.log. Running the same command again skips runs the store already has with
 all their rounds and resumes unfinished ones (`rsiflow run` continues a run by name).
 
+A finished run is also written to <out>/records/<run>.json: its per-round figures and final test, all the
+report reads, in a few kilobytes. The store and the checkpoints stay out of version control; the records are
+committed, so a comparison longer than one machine session continues on a fresh checkout: a run with a record
+of all its rounds is skipped, and the report reads it from the record when the store lacks it.
+
 Then the store is read (read-only) and written as
 - <out>/learning.md (also at the top of table.md): per arm and round the serving model's held-out
   success per seed, greedy and sampled, the mean over seeds, the gate's decisions with their p-values
@@ -115,12 +120,53 @@ def run_name(arm: str, seed: int) -> str:
 # ---- running -----------------------------------------------------------------------------
 
 def _completed_rounds(store_path: Path, run_id: str) -> int:
-    if not store_path.exists():
-        return -1
-    from rsiflow.stores.store import Store
+    """The last round of `run_id` completed in the store, or in its record (-1: none)."""
+    done = -1
+    if store_path.exists():
+        from rsiflow.stores.store import Store
 
-    with Store(store_path, read_only=True) as store:
-        return store.last_completed_round(run_id)
+        with Store(store_path, read_only=True) as store:
+            done = store.last_completed_round(run_id)
+    record = read_record(store_path.parent, run_id)
+    return max(done, record["rounds_completed"] if record else -1)
+
+
+# ---- records: a finished run's figures, outside the store ------------------------------------
+
+RECORD_VERSION = 1
+
+
+def record_path(out: Path, run_id: str) -> Path:
+    return out / "records" / f"{run_id}.json"
+
+
+def read_record(out: Path, run_id: str) -> dict | None:
+    """The run's record, or None. A record of another version is an error: rebuild it from its store."""
+    path = record_path(out, run_id)
+    if not path.exists():
+        return None
+    record = json.loads(path.read_text())
+    if record.get("version") != RECORD_VERSION:
+        raise ValueError(f"{path}: record version {record.get('version')!r}, this code reads {RECORD_VERSION}; "
+                         "rewrite it with `python -m bench.compare --out ... --report-only` from the run's store")
+    return record
+
+
+def write_record(out: Path, run_id: str) -> Path:
+    """Write `run_id`'s figures from the comparison store to <out>/records/<run_id>.json."""
+    from rsiflow.stores.store import Store
+    from rsiflow.tasks.final_test import stored_final_test
+
+    with Store(out / "compare.duckdb", read_only=True) as store:
+        record = {"version": RECORD_VERSION, "run_id": run_id,
+                  "rounds_completed": store.last_completed_round(run_id),
+                  "rows": run_rows(store, run_id), "final_test": stored_final_test(store, run_id)}
+    path = record_path(out, run_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=1, sort_keys=True, default=str) + "\n")
+    tmp.replace(path)
+    return path
 
 
 def run_overrides(args, arm: Arm, seed: int, out: Path) -> list[str]:
@@ -178,7 +224,7 @@ def run_all(args, arms: list[Arm], seeds: list[int], out: Path) -> list[str]:
             tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
             print(f"    {name}: FAILED (exit {rc}) after {dt:.0f} s; last lines of {log}:\n{tail}", flush=True)
         else:
-            print(f"    {name}: done in {dt:.0f} s", flush=True)
+            print(f"    {name}: done in {dt:.0f} s; record {write_record(out, name)}", flush=True)
     return failed
 
 
@@ -304,24 +350,29 @@ def learning_figures(r: dict) -> dict:
             "kl": kl.get("mean"), "changed": ch.get("share"), "lr": r.get("learning_rate")}
 
 
-def collect_tests(store_path: Path, arms: list[str], seeds: list[int]) -> dict[tuple[str, int], dict | None]:
-    """Each run's stored final test (tasks/final_test.py), or None."""
+def collect(out: Path, arms: list[str], seeds: list[int]) -> tuple[dict, dict]:
+    """Per (arm, seed): the run's rows and its final test (tasks/final_test.py, or None), from the store, or
+    from the run's record where that has more completed rounds (a run finished on another checkout)."""
     from rsiflow.stores.store import Store
     from rsiflow.tasks.final_test import stored_final_test
 
-    with Store(store_path, read_only=True) as store:
-        return {(arm, seed): stored_final_test(store, run_name(arm, seed)) for arm in arms for seed in seeds}
-
-
-def collect(store_path: Path, arms: list[str], seeds: list[int]) -> dict[tuple[str, int], list[dict]]:
-    from rsiflow.stores.store import Store
-
-    data = {}
-    with Store(store_path, read_only=True) as store:
+    data, tests = {}, {}
+    store_path = out / "compare.duckdb"
+    with contextlib.ExitStack() as stack:
+        store = stack.enter_context(Store(store_path, read_only=True)) if store_path.exists() else None
         for arm in arms:
             for seed in seeds:
-                data[(arm, seed)] = run_rows(store, run_name(arm, seed))
-    return data
+                name = run_name(arm, seed)
+                record = read_record(out, name)
+                if store is not None and (record is None
+                                          or store.last_completed_round(name) >= record["rounds_completed"]):
+                    data[(arm, seed)] = run_rows(store, name)
+                    tests[(arm, seed)] = stored_final_test(store, name)
+                elif record is not None:
+                    data[(arm, seed)], tests[(arm, seed)] = record["rows"], record["final_test"]
+                else:
+                    data[(arm, seed)], tests[(arm, seed)] = [], None
+    return data, tests
 
 
 # ---- aggregating and writing --------------------------------------------------------------
@@ -577,9 +628,18 @@ def learning_markdown(data: dict, tests: dict, arms: list[str], seeds: list[int]
 
 def report(out: Path, arms: list[str], seeds: list[int]) -> str:
     store = out / "compare.duckdb"
-    if not store.exists():
-        sys.exit(f"bench.compare: no store at {store}")
-    data = collect(store, arms, seeds)
+    if not store.exists() and not (out / "records").is_dir():
+        sys.exit(f"bench.compare: no store at {store} and no records in {out / 'records'}")
+    if store.exists():  # keep the records current with the store (a run finished here, or merged in)
+        from rsiflow.stores.store import Store
+
+        with Store(store, read_only=True) as st:
+            stale = [run_name(a, s) for a in arms for s in seeds
+                     if st.last_completed_round(run_name(a, s)) > ((read_record(out, run_name(a, s)) or {})
+                                                                    .get("rounds_completed", -1))]
+        for name in stale:
+            write_record(out, name)
+    data, tests = collect(out, arms, seeds)
     table, extra_keys = aggregate(data, arms, seeds)
     title = f"bench.compare: {', '.join(arms)} × seeds {','.join(map(str, seeds))}"
     note = ("held-out: the serving model (round 0 = base; then the champion after each round's gate), greedy; "
@@ -591,7 +651,7 @@ def report(out: Path, arms: list[str], seeds: list[int]) -> str:
     manifest = _manifest(out) or {}
     distinct = bool(manifest.get("heldout_per_seed"))
     md = markdown(table, extra_keys, title, note, distinct)
-    learning = learning_markdown(data, collect_tests(store, arms, seeds), arms, seeds, distinct)
+    learning = learning_markdown(data, tests, arms, seeds, distinct)
     (out / "learning.md").write_text(learning)
     md = learning + "\n" + md
     (out / "table.md").write_text(md)
