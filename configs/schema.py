@@ -658,8 +658,9 @@ class PrefectConfig(_Section):
 
     cron: str | None = Field(None, description="Cron schedule of the `improvement-round/<run.name>` deployment "
         "`rsiflow serve` registers (e.g. '0 */6 * * *'); none = on demand (serving clears an existing schedule).")
-    step_timeout_s: float | None = Field(None, gt=0, description="Most seconds one step (a Prefect task) may run "
-        "before it fails with a timeout (and is retried, see retries); null = no limit.")
+    step_timeout_s: float | None = Field(None, gt=0, description="Most seconds one attempt of a step (a Prefect "
+        "task) may run: then its generate calls and training stop as on Ctrl-C, the attempt fails with StepTimedOut, "
+        "is recorded as failed and is retried (see retries), each retry bounded the same; null = no limit.")
     retries: int = Field(1, ge=0, le=10, description="Times a failed step is run again (10 s apart) before the round "
         "fails; every step replaces its rows when run again. Config errors are not retried.")
     pools: dict[str, str] = Field(default_factory=dict, description="Steps that run as their own flow run on a "
@@ -733,21 +734,21 @@ def _leaf_paths(d: dict, prefix: tuple) -> list[tuple]:
     return out
 
 
-def _parse_override(text: str) -> tuple[tuple[str, ...], Any]:
+def _parse_override(text: str, origin: str = "--set") -> tuple[tuple[str, ...], Any]:
     if "=" not in text:
-        raise ConfigError(f"--set {text!r}: expected KEY.PATH=VALUE, e.g. train.learning_rate=1e-5")
+        raise ConfigError(f"{origin} {text!r}: expected KEY.PATH=VALUE, e.g. train.learning_rate=1e-5")
     key, raw = text.split("=", 1)
     path = tuple(p for p in key.strip().split(".") if p)
     if not path:
-        raise ConfigError(f"--set {text!r}: empty key")
+        raise ConfigError(f"{origin} {text!r}: empty key")
     if not raw.strip():
         return path, ""
     try:
         return path, yaml.safe_load(raw)
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"--set {text!r}: the value is not valid YAML ({problem}); write a list as [a, b] and "
-                          f"quote a string that starts with [, {{, * or & (--set 'key=\"text\"')") from None
+        raise ConfigError(f"{origin} {text!r}: the value is not valid YAML ({problem}); write a list as [a, b] and "
+                          f"quote a string that starts with [, {{, * or & ({origin} 'key=\"text\"')") from None
 
 
 def _source_of(path: tuple, sources: dict) -> str:
@@ -772,8 +773,10 @@ def _drop_overridden_backend_sections(data: dict, sources: dict, order: list[str
             del backend[name]
 
 
-def load_config(files: list[str | Path], overrides: list[str] = ()) -> Config:
-    """Merge YAML files left to right, apply `a.b=c` overrides, validate. Raises ConfigError."""
+def load_config(files: list[str | Path], overrides: list[str] = (), origin: str = "--set") -> Config:
+    """Merge YAML files left to right, apply `a.b=c` overrides, validate. Raises ConfigError. `origin` names
+    where the overrides came from in errors and `source_of` ("--set" on the command line; a deployment's
+    parameter when a deployment passed them)."""
     data: dict = {}
     sources: dict[tuple, str] = {}
     for f in files:
@@ -788,13 +791,13 @@ def load_config(files: list[str | Path], overrides: list[str] = ()) -> Config:
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
         _merge(data, loaded, sources, str(path))
     for text in overrides:
-        key, value = _parse_override(text)
+        key, value = _parse_override(text, origin)
         nested: Any = value
         for part in reversed(key):
             nested = {part: nested}
-        _merge(data, nested, sources, f"--set {text}")
+        _merge(data, nested, sources, f"{origin} {text}")
     _drop_overridden_backend_sections(data, sources, [str(Path(f)) for f in files]
-                                      + [f"--set {text}" for text in overrides])
+                                      + [f"{origin} {text}" for text in overrides])
     try:
         cfg = Config.model_validate(data)
         cfg._sources = sources

@@ -327,7 +327,8 @@ def _seconds(s: float) -> str:
 def status_lines(store, run_id: str) -> list[str]:
     """`rsiflow status`: the run's champion and lease, then each round (status, champions, wall time) with its
     steps: state, duration and, for a failed step, its error. A step recorded as running while nobody holds the
-    run's lease was interrupted (its process died); the next `rsiflow run` redoes it."""
+    run's lease was interrupted (its process died); the line says what resumes it: the next `rsiflow run`, or for
+    a round a deployment's flow run ran, a retry of that flow run (or a new run of the deployment)."""
     from rsiflow.flows.lease import describe
     from rsiflow.tasks.common import STEPS
 
@@ -343,13 +344,19 @@ def status_lines(store, run_id: str) -> list[str]:
     rounds = {r["round"]: r for r in store.round_history(run_id)}
     for n in sorted(set(steps) | set(rounds)):
         r = rounds.get(n)
+        recorded_end = max((s["finished_at"] or s["started_at"] for s in steps.get(n, [])
+                            if s["finished_at"] or s["started_at"]), default=None)
+        stopped = r is not None and r["status"] == "running" and lease is None
         if r is None:
             lines.append(f"round {n}  setup")
         else:
-            wall = ((r["finished_at"] or now) - r["started_at"]).total_seconds() if r["started_at"] else None
+            # a round nobody runs any more ran until its last recorded step, not until now
+            end = r["finished_at"] or ((recorded_end or r["started_at"]) if stopped else now)
+            wall = (end - r["started_at"]).total_seconds() if r["started_at"] else None
             took = f"  {_seconds(wall)}" if wall is not None else ""
             after = f" -> {r['champion_after']}" if r["champion_after"] else ""
-            lines.append(f"round {n}  {r['status']}{took}  champion {r['champion_before']}{after}")
+            state = "interrupted" if stopped else r["status"]
+            lines.append(f"round {n}  {state}{took}  champion {r['champion_before']}{after}")
         last_end = r["started_at"] if r else None
         for s in steps.get(n, []):
             state = s["status"]
@@ -370,11 +377,24 @@ def status_lines(store, run_id: str) -> list[str]:
                 if first:
                     since = f"for {_seconds((now - last_end).total_seconds())}" if last_end and lease else ""
                     lines.append(f"  {step:<9} {'running' if lease else 'interrupted':<11} {since:>10}"
-                                 + ("" if lease else "  (no holder: `rsiflow run` resumes here)"))
+                                 + ("" if lease else f"  (no holder: {_resumes(store, run_id, n)})"))
                     first = False
                 else:
                     lines.append(f"  {step:<9} pending")
+        if stopped and any(s["status"] == "failed" for s in steps.get(n, [])):   # no step line said it
+            lines.append(f"  resume: {_resumes(store, run_id, n)}")
     return lines
+
+
+def _resumes(store, run_id: str, round: int) -> str:
+    """What resumes an unfinished round: a retry of the deployment's flow run that ran it, or `rsiflow run`."""
+    runs = store.round_flow_runs(run_id, round)
+    deployed = [f for f in runs if f["deployment_id"]]
+    if deployed:
+        name = deployed[-1]["flow_run_name"]
+        return (f"a deployment's flow run ran it: retry flow run {name!r} (UI: Retry, or `prefect flow-run retry "
+                f"{name}`) or run the deployment again; `rsiflow run` also resumes here")
+    return "`rsiflow run` resumes here"
 
 
 def cmd_status(args) -> None:

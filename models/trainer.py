@@ -63,6 +63,7 @@ from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from rsiflow.methods.grpo import Correction, correction_weight, mismatch_stats
+from rsiflow.models.backend import Interrupted, interrupted_since, interrupts
 from rsiflow.models.encoding import KINDS, encode_rows, tokenize_conversation
 from rsiflow.models.loading import load_model_and_tokenizer, save_checkpoint
 from rsiflow.models.losses import importance_weights, topk_divergence, weighted_token_ce
@@ -765,6 +766,19 @@ class _ProgressCallback(TrainerCallback):
         self.on_step(state.global_step, state.max_steps)
 
 
+class _InterruptCallback(TrainerCallback):
+    """End training with `Interrupted` at the next optimizer step once rsiflow was told to stop after training
+    began (Ctrl-C, SIGTERM, a step timeout: models/backend.py's `interrupt_calls_in_flight`)."""
+
+    def __init__(self):
+        self.start = interrupts()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if interrupted_since(self.start):
+            raise Interrupted(f"training stopped at step {state.global_step} of {state.max_steps}: rsiflow was told "
+                              "to stop (Ctrl-C, SIGTERM or a step timeout)")
+
+
 def train_candidate(
     model_path: str | Path,
     rows: list[dict],
@@ -859,7 +873,7 @@ def train_candidate(
         peft_config = PeftLoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                                      target_modules="all-linear", task_type="CAUSAL_LM")
     model.train()
-    callbacks = [_ProgressCallback(on_step)] if on_step else None
+    callbacks = [_InterruptCallback()] + ([_ProgressCallback(on_step)] if on_step else [])
     best = None
     if pg:
         args = grpo_args(cfg, policy, trainer_dir.name, seed, len(pg), use_cpu, bf16, report)
@@ -897,7 +911,7 @@ def train_candidate(
         used_ids = list(dataset["example_id"])
         best = BestValidationCallback(validation, tokenizer.pad_token_id, cfg.batch_size) if validation else None
         trainer = RoundTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                               peft_config=peft_config, callbacks=(callbacks or []) + ([best] if best else []),
+                               peft_config=peft_config, callbacks=callbacks + ([best] if best else []),
                                data_collator=RowCollator(pad_token_id=tokenizer.pad_token_id), distill=distill,
                                shared_prefix=cfg.shared_prefix)
     _log_to(trainer, log_dir)

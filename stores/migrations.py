@@ -532,6 +532,19 @@ CREATE TABLE mass_rankings (
 PURPOSES_REBUILD = RSIPO_REBUILD.replace("trajectories_v8", "trajectories_v10").replace(
     "('train', 'eval', 'replay')", "('train', 'eval', 'replay', 'eval_sampled', 'test', 'test_sampled')")
 
+# Which Prefect flow runs ran which round: a flow run runs one round, so a retried flow run finds here the round
+# it ran (flows/round.py: refused when that round completed, resumed when not).
+ROUND_FLOW_RUNS = """
+CREATE TABLE round_flow_runs (
+    run_id        VARCHAR NOT NULL,
+    round         INTEGER NOT NULL,
+    flow_run_id   VARCHAR NOT NULL,   -- a Prefect flow run that ran or resumed the round
+    flow_run_name VARCHAR,
+    deployment_id VARCHAR,            -- the deployment that created the flow run, when one did
+    started_at    TIMESTAMP
+);
+"""
+
 MIGRATIONS: list[tuple[int, str, str]] = [
     (1, "initial schema", INITIAL_SCHEMA),
     (2, "SRD notes and foresight pairs", SRD_TABLES),
@@ -543,6 +556,7 @@ MIGRATIONS: list[tuple[int, str, str]] = [
     (8, "RSIPO skills, replays and library", RSIPO_TABLES),
     (9, "MASS workflows, verdicts, rankings", MASS_TABLES),
     (10, "trajectory purposes of sampled held-out plays and the final test split", PURPOSES_REBUILD),
+    (11, "the flow runs that ran each round", ROUND_FLOW_RUNS),
 ]
 
 

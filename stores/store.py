@@ -627,6 +627,48 @@ class Store:
         if not updated:
             raise ValueError(f"round {round} of run {run_id!r} was never started")
 
+    def record_flow_run(self, run_id: str, round: int, flow_run_id: str, flow_run_name: str | None,
+                        deployment_id: str | None = None) -> None:
+        """Note that the Prefect flow run `flow_run_id` runs `round` of the run (once per flow run and round)."""
+        def write() -> None:
+            if not self._con.execute("SELECT 1 FROM round_flow_runs WHERE run_id = ? AND round = ? AND flow_run_id = ?",
+                                     [run_id, round, flow_run_id]).fetchall():
+                self._con.execute("INSERT INTO round_flow_runs VALUES (?, ?, ?, ?, ?, ?)",
+                                  [run_id, round, flow_run_id, flow_run_name, deployment_id, _utcnow()])
+        if self.lake:
+            self._lake_tx(write)
+        else:
+            write()
+
+    def flow_run_round(self, run_id: str, flow_run_id: str) -> int | None:
+        """The round of the run that the flow run ran before (its latest), or None."""
+        rows = self._con.execute("SELECT max(round) FROM round_flow_runs WHERE run_id = ? AND flow_run_id = ?",
+                                 [run_id, flow_run_id]).fetchall()
+        return rows[0][0]
+
+    def round_flow_runs(self, run_id: str, round: int) -> list[dict]:
+        """The flow runs that ran or resumed the round, first first."""
+        return self.rows("SELECT flow_run_id, flow_run_name, deployment_id, started_at FROM round_flow_runs"
+                         " WHERE run_id = ? AND round = ? ORDER BY started_at", [run_id, round])
+
+    def step_failed(self, run_id: str, round: int, step: str, started_at: datetime, error: str) -> None:
+        """Record the step's attempt as failed with `error`, for a failure outside its transaction (a step stopped
+        by its timeout before it wrote anything). An attempt that recorded its own end keeps that record."""
+        key = [run_id, round, step]
+
+        def write() -> None:
+            if self._con.execute("SELECT 1 FROM steps WHERE run_id = ? AND round = ? AND step = ?"
+                                 " AND status IN ('failed', 'completed') AND started_at >= ?",
+                                 [*key, started_at]).fetchall():
+                return   # the attempt recorded its own end
+            self._con.execute("DELETE FROM steps WHERE run_id = ? AND round = ? AND step = ?", key)
+            self._con.execute("INSERT INTO steps (run_id, round, step, status, started_at, finished_at, error, metrics)"
+                              " VALUES (?, ?, ?, 'failed', ?, ?, ?, NULL)", [*key, started_at, _utcnow(), error])
+        if self.lake:
+            self._lake_tx(write)
+        else:
+            write()
+
     def round_status(self, run_id: str, round: int) -> str | None:
         """'running' or 'completed', or None if the round was never started."""
         rows = self._con.sql(

@@ -20,7 +20,7 @@ from prefect.cache_policies import NONE
 from rsiflow.configs.schema import Config
 from rsiflow.models.card import update_model_card
 from rsiflow.tasks.common import open_store, redeploy_backend, run_dir, serving_champion, utcnow
-from rsiflow.tasks.report import heldout_line, png_data_uri, round_rows, round_table, write_report
+from rsiflow.tasks.report import heldout_line, history_markdown, png_data_uri, round_rows, round_table, write_report
 from rsiflow.tasks.train import candidate_id
 
 
@@ -91,6 +91,8 @@ def redeploy(cfg: Config, round: int) -> dict:
     create_markdown_artifact(f"![held-out success per round]({png_data_uri(png)})\n\n`{png}`\n", key=f"{key}-plot",
                              description=f"rsiflow run {run_id}: held-out success per round")
     create_markdown_artifact(md, key=key, description=f"rsiflow run {run_id}: metrics per round")
+    create_markdown_artifact(history_markdown(run_id, rows), key=f"{key}-history",
+                             description=f"rsiflow run {run_id}: every round's decision and serving model")
     freed = sum(d["bytes"] or 0 for d in deleted) / 1e6
     get_run_logger().info("round %d deploy: %s serves from now on (%s: %s); held-out: %s; retention deleted %d "
                           "rejected checkpoint(s), %.1f MB; report %s", round, champion, record.get("kind"),

@@ -102,8 +102,8 @@ def markdown_table(run_id: str, rows: list[dict]) -> str:
              "| round | train success | groups fail/pass/mixed | projected actions | examples | train loss | "
              "champion held-out | candidate held-out | "
              + ("champion sampled | candidate sampled | " if sampled else "")
-             + "decision | detectable gain | seconds |",
-             "|---|---|---|---|---|---|---|---|" + ("---|---|" if sampled else "") + "---|---|---|"]
+             + "decision | serving model | detectable gain | seconds |",
+             "|---|---|---|---|---|---|---|---|" + ("---|---|" if sampled else "") + "---|---|---|---|"]
     for r in rows:
         loss = f"{r['train_loss']:.3f}" if r["train_loss"] is not None else "-"
         ts = f"{r['train_success']:.3f}" if r["train_success"] is not None else "-"
@@ -114,8 +114,8 @@ def markdown_table(run_id: str, rows: list[dict]) -> str:
         cells = (f"{_fmt(r['champion_sampled'])} | {_fmt(r['candidate_sampled'])} | " if sampled else "")
         lines.append(f"| {r['round']} | {ts} | {r['all_fail']}/{r['all_pass']}/{r['mixed']} | {proj} | "
                      f"{r['examples']} | {loss} | "
-                     f"{_fmt(r['champion_heldout'])} | {_fmt(r['candidate_heldout'])} | {cells}{decision} | {gain} | "
-                     f"{secs:.0f} |")
+                     f"{_fmt(r['champion_heldout'])} | {_fmt(r['candidate_heldout'])} | {cells}{decision} | "
+                     f"`{r['champion_after']}` | {gain} | {secs:.0f} |")
     lines += diagnostics_section(rows) + type_section(rows)
     for name in dict.fromkeys(m for r in rows for m in r.get("methods", [])):
         section = method_class(name).report_section(rows)
@@ -186,31 +186,59 @@ def type_section(rows: list[dict]) -> list[str]:
 
 
 def _short(h: dict | None) -> str:
-    return f"{h['successes']}/{h['n']} [{h['ci_low']:.2f}, {h['ci_high']:.2f}]" if h else "-"
+    """'k/n [lo, hi]', or '' for no figure."""
+    return f"{h['successes']}/{h['n']} [{h['ci_low']:.2f}, {h['ci_high']:.2f}]" if h else ""
 
 
 def heldout_line(rows: list[dict], most: int = 8) -> str:
     """The held-out success of the serving model round after round, in one line (the first and the last
     `most` - 1 entries when there are more): 'base 0/24 [0.00, 0.14] → round 1 1/24 [0.01, 0.20] → ...'."""
-    series = [f"{label} {_short(h)}" for label, h in heldout_series(rows)]
+    series = [f"{label} {_short(h) or '-'}" for label, h in heldout_series(rows)]
     if len(series) > most:
         series = [series[0], "…", *series[-(most - 1):]]
     return " → ".join(series)
 
 
+NONE = "n/a"   # an empty cell of the Prefect table artifact (the UI renders a lone "-" as a list bullet)
+
+
 def round_table(rows: list[dict]) -> list[dict]:
     """One row per round for the Prefect table artifact: held-out success with its interval, the decision with
-    its paired evidence, examples and wall time; short cells so the table fits the UI."""
+    its paired evidence, the model that serves after the round, examples and wall time; short cells so the table
+    fits the UI."""
     table = []
     for r in rows:
-        paired = "-" if r.get("wins") is None else f"{r['wins']} / {r['losses']}"
+        paired = NONE if r.get("wins") is None else f"{r['wins']} / {r['losses']}"
         if r.get("p_value") is not None:
             paired += f" (p {r['p_value']:.2g})"
-        table.append({"round": r["round"], "champion held-out": _short(r["champion_heldout"]),
-                      "candidate held-out": _short(r["candidate_heldout"]),
-                      "decision": f"{r['decision']} ({r['rule']})", "wins / losses": paired,
-                      "examples": r["examples"], "wall time": f"{sum(r['step_seconds'].values()):.0f} s"})
+        table.append({"round": r["round"], "champion held-out": _short(r["champion_heldout"]) or NONE,
+                      "candidate held-out": _short(r["candidate_heldout"]) or NONE,
+                      "decision": f"{r['decision']} ({r['rule']})", "serving model": r["champion_after"] or NONE,
+                      "wins / losses": paired, "examples": r["examples"],
+                      "wall time": f"{sum(r['step_seconds'].values()):.0f} s"})
     return table
+
+
+def history_markdown(run_id: str, rows: list[dict]) -> str:
+    """The run's whole history, one line per round (never trimmed): decision, serving model, held-out success of
+    the serving model. The run-level artifact, beside the per-round table."""
+    if not rows:
+        return f"# rsiflow run `{run_id}`: no round yet\n"
+    series = dict(heldout_series(rows))
+    lines = [f"# rsiflow run `{run_id}`: every round", "",
+             f"- base `{rows[0]['champion_before']}`: held-out {_short(series['base']) or NONE}"]
+    for r in rows:
+        p = f", p {r['p_value']:.2g}" if r.get("p_value") is not None else ""
+        served = _short(series[f"round {r['round']}"]) or NONE
+        lines.append(f"- round {r['round']}: {r['decision']} ({r['rule']}{p}); `{r['champion_after']}` serves; "
+                     f"held-out {served}")
+    return "\n".join(lines) + "\n"
+
+
+def promotion_points(rows: list[dict], series: list[tuple[str, dict]]) -> list[tuple[int, float]]:
+    """(x, held-out success) of the plot's points where a round promoted its candidate."""
+    promoted = {f"round {r['round']}" for r in rows if r["decision"] == "promote"}
+    return [(x, h["success_rate"]) for x, (label, h) in enumerate(series) if label in promoted]
 
 
 def plot_png(run_id: str, rows: list[dict], path: Path) -> Path:
@@ -227,6 +255,10 @@ def plot_png(run_id: str, rows: list[dict], path: Path) -> Path:
         lo = [y - h["ci_low"] for y, (_, h) in zip(ys, series)]
         hi = [h["ci_high"] - y for y, (_, h) in zip(ys, series)]
         ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=4, label="serving model (champion)")
+        marks = promotion_points(rows, series)
+        if marks:
+            ax.scatter([m[0] for m in marks], [m[1] for m in marks], marker="*", s=180, color="tab:green", zorder=3,
+                       label="promoted: a new champion serves")
         cand = [(i + 1, r["candidate_heldout"]["success_rate"]) for i, r in enumerate(rows) if r["candidate_heldout"]]
         if cand:
             ax.scatter([c[0] for c in cand], [c[1] for c in cand], marker="x", color="grey", label="candidate")

@@ -79,17 +79,26 @@ def test_prefect_ui_shows_rounds_history_and_a_failed_step(tmp_path):
         # candidates, so retention deletes them), then a round whose first step exceeds its timeout
         assert _rsiflow(env, log, *sets, "--rounds", "2") == 0, log.read_text()[-4000:]
         assert _rsiflow(env, log, *sets, "--set", "run.name=tiny-timeout", "--set", "prefect.step_timeout_s=0.5") != 0
+        # Retry on the completed round 2 (the CLI's retry; the UI's button does the same): refused, nothing runs
+        with open(log, "a") as out:
+            retried = subprocess.run([sys.executable, "-m", "prefect", "flow-run", "retry", "tiny-round-2",
+                                      "--entrypoint", "flows/round.py:improvement_round"], cwd=REPO, env=env,
+                                     stdout=out, stderr=subprocess.STDOUT, timeout=600)
+        assert retried.returncode == 0, log.read_text()[-3000:]
 
         with Store(tmp_path / "store.duckdb", read_only=True) as store:
             decisions = [d["decision"] for d in store.promotion_history("tiny")]
             deleted = store.deleted_checkpoints("tiny")
-        assert decisions == ["reject", "reject"]
+        assert decisions == ["reject", "reject"]   # and no round 3: the retry ran nothing
         assert [d["model_id"] for d in deleted] == ["tiny/r1/candidate", "tiny/r2/candidate"]
         assert not (tmp_path / "runs" / "tiny" / "models" / "round-1-candidate").exists()
 
         runs = {r["name"]: r for r in _api(api, "/flow_runs/filter", {})}
         round2, failed_round = runs["tiny-round-2"], runs["tiny-timeout-round-1"]
         assert failed_round["state_type"] == "FAILED"
+        assert round2["state_type"] == "COMPLETED" and round2["state"]["message"].startswith(
+            "retry refused: flow run 'tiny-round-2' ran round 2 of run 'tiny', which completed")
+        assert {"gate:reject", "champion:tiny/base"} <= set(round2["tags"])
         tasks = _api(api, "/task_runs/filter", {"flow_runs": {"id": {"any_": [round2["id"]]}}})
         by_id = {t["id"]: t for t in tasks}
         order = {by_id[t["id"]]["name"].rsplit("-", 1)[0]: [by_id[i["id"]]["name"].rsplit("-", 1)[0]
@@ -127,7 +136,9 @@ def test_prefect_ui_shows_rounds_history_and_a_failed_step(tmp_path):
                 return page.inner_text("body")
 
             text = shot("/runs", "ui-runs.png", "tiny-round-2")
-            assert "tiny-timeout-round-1" in text and "run:tiny" in text
+            assert "tiny-timeout-round-1" in text and "run:tiny" in text and "gate:reject" in text
+            text = shot(f"/runs/flow-run/{round2['id']}", "ui-refused-retry.png", "a flow run runs one round")
+            assert "retry refused" in text or "which completed" in text
             text = shot(f"/runs/flow-run/{round2['id']}", "ui-flow-run.png", "round 2 deploy", height=2100)
             assert "round 2 generate: tiny/base played 4 tasks x 2 rollouts" in text
             assert "round 2 gate: candidate" in text and "held-out: base 0/6" in text and "{'" not in text
@@ -138,11 +149,12 @@ def test_prefect_ui_shows_rounds_history_and_a_failed_step(tmp_path):
             assert "reject (paired_test)" in text and "candidate held-out" in text
             text = shot(f"/artifacts/artifact/{plot['id']}", "ui-plot.png", "held-out success per round")
             assert "data:image" not in text    # an image artifact prints its data URI under the picture
-            text = shot(f"/runs/task-run/{failed_step['id']}", "ui-failed-step.png", "TimedOut")
-            assert "timeout of 0.5 second(s)" in text
+            text = shot(f"/runs/task-run/{failed_step['id']}", "ui-failed-step.png", "StepTimedOut")
+            assert "ran past prefect.step_timeout_s = 0.5 s and was stopped" in text
             browser.close()
-        assert all((shots / n).stat().st_size > 10_000 for n in ("ui-runs.png", "ui-flow-run.png",
-                   "ui-flow-run-artifacts.png", "ui-rounds-table.png", "ui-plot.png", "ui-failed-step.png"))
+        assert all((shots / n).stat().st_size > 10_000 for n in (
+            "ui-runs.png", "ui-refused-retry.png", "ui-flow-run.png", "ui-flow-run-artifacts.png",
+            "ui-rounds-table.png", "ui-plot.png", "ui-failed-step.png"))
     finally:
         os.killpg(server.pid, signal.SIGINT)
         try:
