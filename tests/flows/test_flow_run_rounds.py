@@ -124,3 +124,26 @@ def test_a_flow_run_that_finds_its_run_busy_is_named_so(tmp_path, prefect_api):
         holder.join()
     assert state.is_failed() and "RunBusyError" in repr(state.message) + str(state.result(raise_on_failure=False))
     assert _flow_run("held-busy")
+
+
+def test_events_after_a_rename_name_the_flow_run_by_its_new_name(prefect_api):
+    """Prefect attaches the flow run to every event from the run context's copy: the rename updates it too, so a
+    gate event points at `<run>-round-<n>`, not at the random name the flow run was created with."""
+    import asyncio
+
+    from prefect import flow
+    from prefect.events.related import related_resources_from_run_context
+
+    @flow
+    def renamed():
+        round_flow.update_flow_run("tiny-round-9", ["gate:promote"])
+
+        async def related():
+            async with get_client() as client:
+                return await related_resources_from_run_context(client)
+        return asyncio.run(related())
+
+    resources = renamed()
+    (flow_run,) = [r for r in resources if r["prefect.resource.role"] == "flow-run"]
+    assert flow_run["prefect.resource.name"] == "tiny-round-9"
+    assert "prefect.tag.gate:promote" in {r["prefect.resource.id"] for r in resources}
