@@ -12,6 +12,7 @@ import hashlib
 import json
 import random
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -150,6 +151,36 @@ def step_guard(task: TaskSpec | None, done: bool, success: bool) -> StepResult |
     if done:
         return StepResult("The episode is over.", 0.0, True, success, {"valid": False, "feedback": "episode_over"})
     return None
+
+
+class RepeatedTaskIds(ValueError):
+    """One `sample_tasks` call gave two or more tasks with the same task id. The store keys a task's row and its
+    trajectories by task id, so a round would count each trajectory of a repeated task once per repeat, and the
+    repeats' rollouts would form one group."""
+
+
+REPEATED_IDS_FIX = ("A run stores a task once per id and would count every trajectory of a repeated task once per "
+                    "repeat: give each repeat its own id (TaskSpec.seed is part of the id: set it to the repeat's "
+                    "index, or to a seed of its own that the game takes at reset)")
+
+
+def repeated_ids(tasks: list[TaskSpec]) -> str | None:
+    """"gave N tasks with only K distinct task ids; repeated: ID (xC), ..." (the first 5 repeated ids), or None
+    where the ids of `tasks` all differ."""
+    counts = Counter(t.task_id for t in tasks)
+    repeated = [(task_id, count) for task_id, count in counts.items() if count > 1]
+    if not repeated:
+        return None
+    shown = ", ".join(f"{task_id} (x{count})" for task_id, count in repeated[:5])
+    more = f" and {len(repeated) - 5} more" if len(repeated) > 5 else ""
+    return f"gave {len(tasks)} tasks with only {len(counts)} distinct task ids; repeated: {shown}{more}"
+
+
+def require_distinct_ids(tasks: list[TaskSpec], call: str) -> None:
+    """RepeatedTaskIds where two of `tasks` share a task id, in one line: "`call` gave N tasks with only K distinct
+    task ids; repeated: ..." (`repeated_ids`), what a repeat costs and the fix (`REPEATED_IDS_FIX`)."""
+    if (summary := repeated_ids(tasks)) is not None:
+        raise RepeatedTaskIds(f"{call} {summary}. {REPEATED_IDS_FIX}")
 
 
 def hashed_split(text: str, heldout_buckets: int = 5) -> str:

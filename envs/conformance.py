@@ -6,7 +6,9 @@
     rsiflow check-env --config configs/default.yaml --config examples/byo.yaml
 
 `python -m rsiflow.envs.conformance` takes the same arguments. The header names the env class and the file it was
-loaded from, so that a "package.module:Class" that more than one folder on sys.path holds shows which one ran.
+loaded from, and where the module of a "package.module:Class" is in more than one folder of the import path (the
+current directory included: `python -m` looks there first, `rsiflow` last), it lists them all, marking the one
+loaded (`shadowing_note`).
 
 With `--config` (repeatable: later files are overlays, as with `rsiflow run`) the env's name,
 kwargs and turn limit come from the config's `env.name`, `env.kwargs` and `env.max_turns`; a
@@ -20,19 +22,24 @@ or from Python (the test suite runs it on every built-in env and on the example 
     assert report.ok, report
 
 Every env call (building an instance included) must return within `step_timeout` seconds
-(default 60, `--step-timeout`): past it, the call is interrupted (SIGALRM, in the main thread on
-Linux and macOS; code that never returns to the Python interpreter, such as a C loop, can't be
-interrupted), the check fails naming the call, and the remaining checks run on a fresh instance.
-A failure that happened in an episode names its last actions and last observation (shortened).
+(default 60, `--step-timeout`): past it, the call is interrupted (SIGALRM), the check fails naming
+the call and its task, and the remaining checks run on a fresh instance. Code that never returns to
+the Python interpreter (a C loop, a call that blocks signals) can't be interrupted, so with a limit
+the checks run in a child process (forked, on Linux and macOS) that announces each env call to this
+one before making it: a call still running a second or 10% past the limit, or a crash of the child,
+fails its check naming the call (method, shortened action, task and type) and the episode's trail,
+the child is killed, and the remaining checks run in a fresh child (`_watched_checks`). A failure
+that happened in an episode names its last actions and last observation (shortened).
 
 Checks (each one PASS, FAIL with the reason, or SKIP with the reason):
 
     class          the instance's `name` is a non-empty str, its `task_types` a non-empty tuple of
                    distinct str (a class attribute or one set in __init__), `admissible_exact` a bool
     splits         sample_tasks gives n TaskSpecs of the right env/split/type for "train" and
-                   "heldout", JSON-ready specs that survive to_row/from_row, disjoint task ids
-                   across splits, every declared task type where n covers them all; an unknown
-                   split raises ValueError
+                   "heldout", JSON-ready specs that survive to_row/from_row, no task id twice in
+                   one sample (a run would count a repeat's trajectories once per repeat), disjoint
+                   task ids across splits, every declared task type where n covers them all; an
+                   unknown split raises ValueError
     determinism    same seed -> same tasks (also from a fresh instance); another seed -> other
                    tasks; the same task and actions -> the same observations, rewards and ends
     reset_step     reset gives a non-empty str; step gives a StepResult with a str observation,
@@ -44,7 +51,8 @@ Checks (each one PASS, FAIL with the reason, or SKIP with the reason):
     solution       where solution() is not None: playing it from a fresh reset solves the task,
                    and it is the same list after the episode
     max_turns      with `max_turns` (--max-turns, or env.max_turns of --config): the expert and the
-                   solution need at most that many steps on every task
+                   solution need at most that many steps on every task (a failure names each task's
+                   id, type and the start of its spec)
     rules          rules() is a list of non-empty str that restates no clause of the task's own
                    statement (its first observation, boilerplate aside) and names no action of its
                    solution that holds a number
@@ -69,9 +77,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
+import multiprocessing
+import os
+import pickle
 import random
 import re
 import signal
+import struct
 import sys
 import threading
 import time
@@ -81,7 +94,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from rsiflow.envs.base import SPLITS, Env, StepResult, TaskSpec
+from rsiflow.envs.base import REPEATED_IDS_FIX, SPLITS, Env, StepResult, TaskSpec, repeated_ids
 
 SYMBOL_RE = re.compile(r"[A-Za-z_][\w\-]*<[\w,\- ]*>")
 MAX_OBSERVATION_CHARS = 50_000
@@ -165,14 +178,63 @@ def time_limit(seconds: float | None, what: str) -> Iterator[None]:
             signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - started), 1e-3))
 
 
+class _Beacon:
+    """What the check process is doing, in memory it shares with the process that watches it (`_watched_checks`):
+    a call counter, odd while an env call is in progress, and that call's description and the episode's trail.
+    Announcing a call writes memory only (no system call), so every guarded call can afford it."""
+
+    SIZE = 4096
+
+    def __init__(self) -> None:
+        self.memory = mmap.mmap(-1, self.SIZE)   # anonymous, shared with a child forked after it is made
+        self.calls = 0
+
+    def enter(self, call: str, trail: str) -> None:
+        data = f"{call}\n{trail}".encode("utf-8", "replace")[: self.SIZE - 16]
+        struct.pack_into("I", self.memory, 8, len(data))
+        self.memory[16:16 + len(data)] = data
+        self.calls += 1
+        struct.pack_into("q", self.memory, 0, 2 * self.calls - 1)
+
+    def leave(self) -> None:
+        struct.pack_into("q", self.memory, 0, 2 * self.calls)
+
+    def state(self) -> tuple[int, str, str]:
+        """(counter, call, trail) as the checking process last wrote them."""
+        count, length = struct.unpack_from("q", self.memory, 0)[0], struct.unpack_from("I", self.memory, 8)[0]
+        call, _, trail = self.memory[16:16 + length].decode("utf-8", "replace").partition("\n")
+        return count, call, trail
+
+
+_beacon: _Beacon | None = None   # set in the check process that `_watched_checks` watches
+
+
+@contextmanager
+def _guarded_call(seconds: float | None, what: str, env: _Guarded | None = None) -> Iterator[None]:
+    """`time_limit(seconds, what)`, announced first to the watching process where there is one (the call, the task
+    `env` is on and its episode's trail)."""
+    beacon = _beacon
+    if beacon is not None:
+        beacon.enter(what + (env.on_task() if env is not None else ""), env.trail() if env is not None else "")
+    try:
+        with time_limit(seconds, what):
+            yield
+    finally:
+        if beacon is not None:
+            beacon.leave()
+
+
 class _Guarded:
-    """The env under check. Every method call is limited to `timeout` seconds (`time_limit`); the
-    current episode's actions and latest observation are recorded for failure messages (`trail`).
-    Attributes and methods not named here are the env's own, looked up on the instance."""
+    """The env under check. Every method call is limited to `timeout` seconds (`time_limit`) and announced to the
+    watching process (`_guarded_call`); the current task, the episode's actions and its latest observation are
+    recorded for failure messages (`on_task`, `trail`). Attributes and methods not named here are the env's own,
+    looked up on the instance."""
 
     def __init__(self, env: Env, timeout: float | None):
         self.unwrapped = env
         self._timeout = timeout
+        self.task: TaskSpec | None = None
+        self._on_task = ""
         self.actions: list[str] = []
         self.observation = ""
 
@@ -182,24 +244,30 @@ class _Guarded:
             return value
 
         def limited(*args: Any, **kwargs: Any) -> Any:
-            with time_limit(self._timeout, f"{name}()"):
+            with _guarded_call(self._timeout, f"{name}()", self):
                 return value(*args, **kwargs)
         return limited
 
     def reset(self, task: TaskSpec) -> str:
-        self.actions, self.observation = [], ""
-        with time_limit(self._timeout, f"reset({task.task_id})"):
+        task_id = task.task_id
+        self.task, self._on_task, self.actions, self.observation = None, "", [], ""
+        with _guarded_call(self._timeout, f"reset({task_id})", self):
             observation = self.unwrapped.reset(task)
+        self.task, self._on_task = task, f" on task {task_id} ({task.task_type})"
         self.observation = observation if isinstance(observation, str) else repr(observation)
         return observation
 
     def step(self, action: str) -> StepResult:
         self.actions.append(action)
-        with time_limit(self._timeout, f"step({_show(action)})"):
+        with _guarded_call(self._timeout, f"step({_show(action)})", self):
             result = self.unwrapped.step(action)
         observation = getattr(result, "observation", result)
         self.observation = observation if isinstance(observation, str) else repr(observation)
         return result
+
+    def on_task(self) -> str:
+        """" on task ID (TYPE)" of the task the last reset started, or ""."""
+        return self._on_task
 
     def trail(self, n_actions: int = 3, chars: int = 160) -> str:
         """"last actions: a, b, c (of N); last observation: ..." of the current episode, shortened."""
@@ -326,25 +394,51 @@ def check_env(env: str | type | Callable[[], Env], kwargs: dict | None = None, t
     """Run every check on an env (a built-in name, 'package.module:Class', a class, or a factory):
     `tasks` per split, `fuzz` hostile actions, at most `expert_limit` expert steps per task, the
     turn limit `max_turns` (None: not checked), `step_timeout` seconds per env call (None: no
-    limit). `on_result` is called with each check's result as soon as it is known."""
+    limit). `on_result` is called with each check's result as soon as it is known.
+
+    With a `step_timeout`, where the OS can fork (Linux, macOS), the env runs in a child process that this one
+    watches (`_watched_checks`): a call that ignores SIGALRM is reported and the child killed; the env's own
+    side effects (class attributes, globals) then happen in that child. Without a limit, or without fork, the env
+    runs in this process. An env that can't be built raises here either way."""
     build, label = _factory(env, kwargs)
-
-    def make() -> _Guarded:
-        with time_limit(step_timeout, f"building {label}"):
-            instance = build()
-        _require(isinstance(instance, Env),
-                 f"{label} does not build an rsiflow.envs.base.Env (got {type(instance).__name__})")
-        return _Guarded(instance, step_timeout)
-
     report = ConformanceReport(label)
-    run = _Run(make(), make, tasks, seed, fuzz, expert_limit, max_turns)
 
     def record(result: CheckResult) -> None:
         report.results.append(result)
         if on_result:
             on_result(result)
 
-    for name, check in CHECKS:
+    settings = {"tasks": tasks, "seed": seed, "fuzz": fuzz, "expert_limit": expert_limit, "max_turns": max_turns}
+    if step_timeout and "fork" in multiprocessing.get_all_start_methods():
+        _watched_checks(build, label, settings, step_timeout, record)
+    else:
+        _run_checks(build, label, settings, step_timeout, 0, {}, lambda result, state: record(result))
+    return report
+
+
+def _check_name(index: int) -> str:
+    return CHECKS[index][0] if index < len(CHECKS) else "close"
+
+
+def _run_checks(build: Callable[[], Env], label: str, settings: dict, step_timeout: float | None, first: int,
+                state: dict, record: Callable[[CheckResult, dict], None],
+                on_built: Callable[[], None] | None = None) -> None:
+    """The checks from CHECKS[first] on, then close (`first` = len(CHECKS): close only), on one instance built
+    here (the exception of its building is raised), with `state` as earlier checks left it; `record(result,
+    state)` after each. A check whose env call ran past its time limit renews the instance."""
+
+    def make() -> _Guarded:
+        with _guarded_call(step_timeout, f"building {label}"):
+            instance = build()
+        _require(isinstance(instance, Env),
+                 f"{label} does not build an rsiflow.envs.base.Env (got {type(instance).__name__})")
+        return _Guarded(instance, step_timeout)
+
+    run = _Run(make(), make, settings["tasks"], settings["seed"], settings["fuzz"], settings["expert_limit"],
+               settings["max_turns"], state)
+    if on_built:
+        on_built()
+    for name, check in CHECKS[first:]:
         start = time.perf_counter()
         renew = False
         try:
@@ -355,7 +449,7 @@ def check_env(env: str | type | Callable[[], Env], kwargs: dict | None = None, t
         except _CheckFailed as failure:
             status, detail = "fail", str(failure)
         except CallTimedOut as timeout:
-            status, detail, renew = "fail", f"{timeout}; {run.env.trail()}", True
+            status, detail, renew = "fail", f"{timeout}{run.env.on_task()}; {run.env.trail()}", True
         except Exception as exc:  # the env raised where it must not
             tb = traceback.format_exc(limit=-2).strip().splitlines()
             status, detail = "fail", (f"raised {type(exc).__name__}: {exc} [{' | '.join(tb[-3:])}]; "
@@ -369,19 +463,163 @@ def check_env(env: str | type | Callable[[], Env], kwargs: dict | None = None, t
                 run.env = make()
             except (Exception, CallTimedOut) as exc:
                 detail += f"; a fresh instance could not be built ({exc}): the remaining checks are not run"
-                record(CheckResult(name, status, detail, time.perf_counter() - start))
-                return report
+                record(CheckResult(name, status, detail, time.perf_counter() - start), run.state)
+                return
             detail += "; the remaining checks run on a fresh instance"
-        record(CheckResult(name, status, detail, time.perf_counter() - start))
+        record(CheckResult(name, status, detail, time.perf_counter() - start), run.state)
 
     start = time.perf_counter()
     try:
         run.env.close()
         run.env.close()
-        record(CheckResult("close", "pass", "close() twice", time.perf_counter() - start))
+        record(CheckResult("close", "pass", "close() twice", time.perf_counter() - start), run.state)
     except (Exception, CallTimedOut) as exc:
-        record(CheckResult("close", "fail", f"close() raised {type(exc).__name__}: {exc}", time.perf_counter() - start))
-    return report
+        record(CheckResult("close", "fail", f"close() raised {type(exc).__name__}: {exc}",
+                           time.perf_counter() - start), run.state)
+
+
+# ---- the watchdog: the checks in a child process ----------------------------------------------
+
+def _send(conn: Any, message: tuple, fallback: tuple) -> None:
+    """Send `message`, or `fallback` where `message` does not survive pickling (an env's own exception or task
+    spec)."""
+    try:
+        pickle.loads(pickle.dumps(message))
+    except Exception:
+        message = fallback
+    conn.send(message)
+
+
+def _child(build: Callable[[], Env], label: str, settings: dict, step_timeout: float, first: int, state: dict,
+           conn: Any, beacon: _Beacon) -> None:
+    """The check process: `_run_checks`, announcing every env call on `beacon` and sending over `conn`
+    ("built",) once its instance is built, ("result", CheckResult, the entries of the state that changed) after
+    each check, ("raised", exc) where building raised (or the env ended the process with SystemExit), and
+    ("done",) at the end."""
+    global _beacon
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C stops the watching process, which kills this one
+    if sys.platform == "linux":   # and where that process is killed outright, this one goes with it
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    _beacon = beacon
+    sent = dict(state)
+
+    def record(result: CheckResult, state: dict) -> None:
+        changed = {key: value for key, value in state.items() if sent.get(key) is not value}
+        sent.update(changed)
+        _send(conn, ("result", result, changed), ("result", result, {}))
+
+    try:
+        _run_checks(build, label, settings, step_timeout, first, state, record, on_built=lambda: conn.send(("built",)))
+    except BaseException as exc:
+        exc.add_note("in the check process:\n" + traceback.format_exc().rstrip())
+        _send(conn, ("raised", exc), ("raised", RuntimeError(f"{type(exc).__name__}: {exc}")))
+    conn.send(("done",))
+    conn.close()
+
+
+def _died(child: Any, beacon: _Beacon) -> str:
+    """Why the check process ended without saying so: its exit status and the call it was in, if any."""
+    child.join(1.0)
+    code = child.exitcode
+    how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+    count, call, trail = beacon.state()
+    during = (f"during {call}" + (f"; {trail}" if trail else "")) if count % 2 else "between env calls"
+    return f"the check process died ({how}) {during}"
+
+
+def _watched_checks(build: Callable[[], Env], label: str, settings: dict, step_timeout: float,
+                    record: Callable[[CheckResult], None]) -> None:
+    """Run the checks in a forked child process and `record` its results as they come. The child keeps the
+    SIGALRM limit of every call (`time_limit`) and announces each call on a `_Beacon`; where one call is still in
+    progress `step_timeout` + max(1 s, 10%) after it began (native code that never returns to the interpreter,
+    such as a C loop, which SIGALRM can't interrupt), or the child dies (a crash in native code), the child is
+    killed and its check fails naming the call (method, shortened action, task) and the episode's trail. The
+    remaining checks then run in a fresh child, from the state the earlier checks left; where that child can't
+    build an instance, they are not run. A process the env started itself may outlive a killed child."""
+    ctx = multiprocessing.get_context("fork")
+    limit = step_timeout + max(1.0, step_timeout / 10)
+    tick = min(0.2, step_timeout / 4)
+    first, state = 0, {}
+    pending: CheckResult | None = None   # the killed child's check: recorded once the next child has an instance
+
+    def finish_pending(suffix: str) -> None:
+        record(CheckResult(pending.name, pending.status, pending.detail + suffix, pending.seconds))
+
+    while first <= len(CHECKS):
+        beacon = _Beacon()
+        receive, send = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_child, args=(build, label, settings, step_timeout, first, state, send, beacon),
+                            name=f"conformance of {label}")
+        child.start()
+        send.close()
+        index, built, started = first, False, time.monotonic()
+        watched, since = 0, 0.0   # the call in progress (the beacon's odd counter) and when it was first seen
+        stopped, hung, message = "", False, ("",)   # why the child was stopped, whether a call hung; the last message
+        try:
+            while True:
+                if receive.poll(tick):
+                    try:
+                        message = receive.recv()
+                    except EOFError:
+                        stopped = _died(child, beacon)
+                        break
+                    kind = message[0]
+                    if kind == "built":
+                        built, started = True, time.monotonic()
+                        if pending is not None:
+                            finish_pending("; the remaining checks run in a fresh process")
+                            pending = None
+                    elif kind == "result":
+                        record(message[1])
+                        state = {**state, **message[2]}
+                        index, started = index + 1, time.monotonic()
+                    elif kind == "raised":
+                        if pending is not None:
+                            finish_pending(f"; a fresh instance could not be built ({message[1]}): the remaining "
+                                           "checks are not run")
+                            return
+                        raise message[1]
+                    elif kind == "done":
+                        return
+                    continue
+                if child.exitcode is not None and not receive.poll(0):
+                    stopped = _died(child, beacon)
+                    break
+                count, call, trail = beacon.state()
+                if count % 2 == 0:
+                    watched = 0
+                elif count != watched:
+                    watched, since = count, time.monotonic()
+                elif time.monotonic() - since > limit:
+                    stopped = (f"{call} did not return within {step_timeout:g} s and could not be interrupted (native "
+                               "code that never returns to the Python interpreter?): the check process was killed"
+                               + (f"; {trail}" if trail else ""))
+                    hung = True
+                    break
+        finally:   # a child that said it is done gets a moment to exit (flush its output), any other none
+            child.join(2.0 if not stopped and message[0] in ("done", "raised") else 0)
+            if child.is_alive():
+                child.kill()
+            child.join()
+            receive.close()
+            beacon.memory.close()
+        if not built:   # building the instance hung or crashed the child
+            if pending is None:
+                raise CallTimedOut(stopped) if hung else RuntimeError(f"building {label}: {stopped}")
+            finish_pending(f"; a fresh instance could not be built ({stopped}): the remaining checks are not run")
+            return
+        if index > len(CHECKS):   # every result came; the child ended before it said so
+            return
+        pending = CheckResult(_check_name(index), "fail", stopped, time.monotonic() - started)
+        first = index + 1
+        if first > len(CHECKS):
+            finish_pending("")
+            return
 
 
 def _check_class(run: _Run) -> str:
@@ -398,8 +636,10 @@ def _check_class(run: _Run) -> str:
 
 
 def _check_splits(run: _Run) -> str:
+    """Both splits' samples; a task id repeated within one sample fails the check once both are in `run.state`
+    (the later checks still run on them)."""
     env, n, seed = run.env, run.tasks, run.seed
-    ids, contents = {}, {}
+    ids, contents, repeated = {}, {}, []
     for split in SPLITS:
         tasks = env.sample_tasks(split, n, seed)
         _require(isinstance(tasks, list) and len(tasks) == n, f"sample_tasks({split!r}, {n}) gave {len(tasks)} tasks")
@@ -423,6 +663,9 @@ def _check_splits(run: _Run) -> str:
         ids[split] = {t.task_id for t in tasks}
         contents[split] = {(t.task_type, json.dumps(t.spec, sort_keys=True)) for t in tasks}
         run.state[split] = tasks
+        if (summary := repeated_ids(tasks)) is not None:
+            repeated.append(f"sample_tasks({split!r}, {n}, {seed}) {summary}")
+    _require(not repeated, f"{'; '.join(repeated)}. {REPEATED_IDS_FIX}")
     _require(not ids["train"] & ids["heldout"], "a task id appears in both train and heldout")
     _require(not contents["train"] & contents["heldout"], "the same task (type and spec) is in both train and heldout")
     try:
@@ -431,8 +674,8 @@ def _check_splits(run: _Run) -> str:
         pass
     else:
         raise _CheckFailed("sample_tasks('no-such-split') must raise ValueError")
-    return (f"{n} train ({len(ids['train'])} distinct) + {n} heldout ({len(ids['heldout'])} distinct) tasks, "
-            f"disjoint; types: {', '.join(sorted({t.task_type for t in run.state['train']}))}")
+    return (f"{n} train ({len(contents['train'])} distinct) + {n} heldout ({len(contents['heldout'])} distinct) "
+            f"tasks, distinct ids, disjoint; types: {', '.join(sorted({t.task_type for t in run.state['train']}))}")
 
 
 def _probe_actions(env: _Guarded, rng: random.Random) -> str:
@@ -595,6 +838,12 @@ def _check_solution(run: _Run) -> str:
             f"at most {max(counts)})" + (f"; None on {none} tasks" if none else ""))
 
 
+def _describe(task: TaskSpec, chars: int = 80) -> str:
+    """"ID (TYPE: spec excerpt)": which task it is, for a reader who has no store to look the id up in."""
+    spec = json.dumps(task.spec, ensure_ascii=False)
+    return f"{task.task_id} ({task.task_type}: {spec[:chars]}{'...' if len(spec) > chars else ''})"
+
+
 def _check_max_turns(run: _Run) -> str:
     if run.max_turns is None:
         raise _Skip("no turn limit given (--max-turns N, or --config)")
@@ -606,7 +855,8 @@ def _check_max_turns(run: _Run) -> str:
         for task_id, n in steps.items():
             if n > run.max_turns:
                 over.setdefault(task_id, {})[who] = n
-    shown = [f"{task_id} ({', '.join(f'{who} {n}' for who, n in by.items())} steps)"
+    by_id = {t.task_id: t for t in run.all_tasks()}
+    shown = [f"{_describe(by_id[task_id])} ({', '.join(f'{who} {n}' for who, n in by.items())} steps)"
              for task_id, by in list(over.items())[:8]]
     _require(not over, f"on {len(over)}/{len(run.all_tasks())} tasks the expert or solution needs more than "
                        f"env.max_turns = {run.max_turns} steps (a run ends those episodes first): "
@@ -814,8 +1064,8 @@ DESCRIPTION = __doc__.split("\n\n")[0]
 
 
 def env_origin(name: str) -> str:
-    """`module:Class from FILE` of the class an env name loads, or why it does not load (the check's `class` line
-    then fails with the same reason)."""
+    """`module:Class from FILE` of the class an env name loads, or why it does not load (building it for the check
+    then raises the same error)."""
     import inspect
 
     from rsiflow.envs import EnvError, env_class
@@ -829,6 +1079,46 @@ def env_origin(name: str) -> str:
     except (OSError, TypeError):   # a class without a source file (built in C, defined interactively)
         where = "no file"
     return f"{cls.__module__}:{cls.__qualname__} from {where}"
+
+
+def module_copies(module_name: str) -> list[str]:
+    """The files that hold `module_name` ("pkg.mod": pkg/mod.py, pkg/mod/__init__.py or an extension module) in
+    the folders of sys.path, in the order an import looks at them, then in the current directory where sys.path
+    lacks it (where `rsiflow.envs.env_class` looks last). An import takes the first; the others are shadowed."""
+    from importlib.machinery import all_suffixes
+
+    parts = module_name.split(".")
+    cwd = os.getcwd()
+    folders = [entry or cwd for entry in sys.path]
+    if cwd not in folders:
+        folders.append(cwd)
+    found: list[str] = []
+    for folder in folders:
+        base = os.path.join(os.path.abspath(folder), *parts)
+        for path in [os.path.join(base, "__init__.py"), *(base + suffix for suffix in all_suffixes())]:
+            if os.path.isfile(path) and os.path.realpath(path) not in map(os.path.realpath, found):
+                found.append(path)
+                break
+    return found
+
+
+def shadowing_note(name: str) -> str | None:
+    """Where the module of a 'package.module:Class' env name is in more than one folder of the import path: which
+    file was loaded, which were not, and how to choose. None for a built-in name or a module found once."""
+    from rsiflow.envs import BUILTIN_ENVS, LAZY_ENVS
+
+    if name in BUILTIN_ENVS or name in LAZY_ENVS or ":" not in name:
+        return None
+    module_name = name.partition(":")[0]
+    copies = module_copies(module_name)
+    if len(copies) < 2:
+        return None
+    module = sys.modules.get(module_name)
+    loaded = os.path.realpath(getattr(module, "__file__", None) or "")
+    shown = ", ".join(f"{path}{' (loaded)' if os.path.realpath(path) == loaded else ''}" for path in copies)
+    return (f"{module_name} is in {len(copies)} places on the import path: {shown}. `python -m` puts the current "
+            "directory first on sys.path, `rsiflow` looks there last: to check another copy, run from another "
+            "directory or put its folder first on PYTHONPATH")
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -857,6 +1147,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(f"conformance of {name} (kwargs {json.dumps(kwargs)}; {args.tasks} tasks per split, fuzz {args.fuzz}, "
           f"max_turns {max_turns}, step timeout {args.step_timeout:g} s)", flush=True)
     print(f"  env class {env_origin(name)}", flush=True)
+    if note := shadowing_note(name):
+        print(f"  note: {note}", flush=True)
     report = check_env(name, kwargs, tasks=args.tasks, seed=args.seed, fuzz=args.fuzz, max_turns=max_turns,
                        step_timeout=args.step_timeout or None, on_result=lambda r: print(r.line(), flush=True))
     print(f"conformance of {name}: {'PASS' if report.ok else 'FAIL'}", flush=True)

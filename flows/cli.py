@@ -212,24 +212,69 @@ def cmd_test(args) -> None:
         _final_test(cfg, again=args.again)
 
 
-def serve_deployments(files: list[str], overrides: list[str], cfg, cron: str | None) -> list:
-    """The deployments `rsiflow serve` registers: `improvement-round/<run name>` (on `cron`; none = on demand,
-    and an existing schedule is cleared) and `self-improve/<run name>`, each with the config's absolute paths
-    as parameters, rsiflow's tags, and a concurrency limit of 1 that queues (ENQUEUE) a flow run triggered
-    while another of the same deployment runs."""
+def serve_deployments(files: list[str], overrides: list[str], cfg, cron: str | None, **extra) -> list:
+    """The run's deployments (`rsiflow serve` serves them, `rsiflow deploy` puts them on a work pool):
+    `improvement-round/<run name>` (on `cron`; none = on demand, and an existing schedule is cleared) and
+    `self-improve/<run name>`, each with the config's absolute paths as parameters, the run's tags (`run_tags`:
+    run, env, methods), a description that names the run's config, and a concurrency limit of 1 that queues
+    (ENQUEUE) a flow run triggered while another of the same deployment runs. `extra`: more arguments of
+    `Flow.to_deployment` (a work pool's)."""
     from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 
     from rsiflow.flows.round import improvement_round, run_tags
     from rsiflow.flows.self_improve import self_improve
 
     name = cfg.run.name
+    config = " + ".join(os.path.relpath(f) for f in files) + (f" with {', '.join(overrides)}" if overrides else "")
+    what = f"run {name!r} ({cfg.env.name}, {'+'.join(cfg.distill.methods)}; config {config})"
     common = dict(name=name, parameters={"config": [os.path.abspath(f) for f in files], "overrides": overrides},
                   tags=run_tags(cfg), concurrency_limit=ConcurrencyLimitConfig(
-                      limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE))
+                      limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE), **extra)
     return [
-        improvement_round.to_deployment(cron=cron, description=f"Next round of run {name!r}", **common),
-        self_improve.to_deployment(description=f"Rounds of run {name!r} up to run.rounds", **common),
+        improvement_round.to_deployment(cron=cron, description=f"The next round of {what}", **common),
+        self_improve.to_deployment(description=f"Rounds of {what} up to run.rounds", **common),
     ]
+
+
+def existing_deployments(deployments: list) -> dict[str, object]:
+    """The deployments of the same names already on the Prefect server, by full name."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    found = {}
+    with get_client(sync_client=True) as client:
+        for d in deployments:
+            full_name = f"{d.flow_name}/{d.name}"
+            try:
+                found[full_name] = client.read_deployment_by_name(full_name)
+            except ObjectNotFound:
+                continue
+    return found
+
+
+def check_take_over(deployments: list, pool: str | None, take_over: bool, command: str) -> list[str]:
+    """Refuse (ConfigError) to move a deployment between `rsiflow serve` (no work pool) and a work pool (`pool`),
+    or between two pools, unless `take_over`: two processes would pick up its flow runs, and stopping serve
+    would pause the other's schedule. With `take_over` the old deployment is deleted (its flow runs stay), so
+    the new one is registered from scratch; returns a line per deletion."""
+    from prefect.client.orchestration import get_client
+
+    from rsiflow.configs.schema import ConfigError
+
+    deleted = []
+    for full_name, old in existing_deployments(deployments).items():
+        if old.work_pool_name == pool:
+            continue
+        now = f"on work pool {old.work_pool_name!r}" if old.work_pool_name else "served by `rsiflow serve`"
+        then = f"work pool {pool!r}" if pool else "this serve process"
+        if not take_over:
+            raise ConfigError(f"deployment {full_name!r} is {now}; `rsiflow {command}` would hand it to {then}. "
+                              "Stop what runs it now (the other serve process, or that pool's worker), then run the "
+                              "same command with --take-over")
+        with get_client(sync_client=True) as client:
+            client.delete_deployment(old.id)
+        deleted.append(f"took over deployment {full_name!r} ({now} until now; its flow runs stay)")
+    return deleted
 
 
 def _schedules(schedules) -> str:
@@ -285,7 +330,7 @@ def cmd_serve(args) -> None:
 
     start_temporary_prefect_server()
     deployments = serve_deployments(files, args.overrides, cfg, args.cron or cfg.prefect.cron)
-    for line in deployment_changes(deployments):
+    for line in check_take_over(deployments, None, args.take_over, "serve") + deployment_changes(deployments):
         print(f"rsiflow serve: {line}", file=sys.stderr, flush=True)
     stopped = (f"rsiflow serve: stopped; deployments improvement-round/{cfg.run.name} and "
                f"self-improve/{cfg.run.name} stay registered")
@@ -296,6 +341,62 @@ def cmd_serve(args) -> None:
             print(stopped, file=sys.stderr, flush=True)
         raise
     print(stopped, file=sys.stderr, flush=True)
+
+
+def _require_server(command: str) -> str:
+    from prefect.settings import PREFECT_API_URL
+
+    from rsiflow.configs.schema import ConfigError
+
+    if not PREFECT_API_URL.value():
+        raise ConfigError(f"rsiflow {command} registers deployments on a Prefect server: start one (prefect server "
+                          "start) and set PREFECT_API_URL, e.g. http://127.0.0.1:4200/api")
+    return PREFECT_API_URL.value()
+
+
+def cmd_deploy(args) -> None:
+    """Register the run's two deployments on a work pool (created, of type process, if missing), from the config:
+    name, tags, description, schedule (prefect.cron or --cron), concurrency 1; the worker runs them in this
+    folder. Then print the commands that start a worker and trigger a round."""
+    _prefect_env()
+    files, cfg = _load(args)
+    api = _require_server("deploy")
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.deployments.runner import EntrypointType
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_work_pool(args.pool)
+        except ObjectNotFound:
+            client.create_work_pool(WorkPoolCreate(name=args.pool, type="process"))
+            print(f"rsiflow deploy: created work pool {args.pool!r} (process)")
+    deployments = serve_deployments(files, args.overrides, cfg, args.cron or cfg.prefect.cron,
+                                    work_pool_name=args.pool, job_variables={"working_dir": os.getcwd()},
+                                    entrypoint_type=EntrypointType.MODULE_PATH)
+    for line in check_take_over(deployments, args.pool, args.take_over, "deploy") + deployment_changes(deployments):
+        print(f"rsiflow deploy: {line}")
+    for d in deployments:
+        d.apply()
+        print(f"rsiflow deploy: registered {d.flow_name}/{d.name} on work pool {args.pool!r} "
+              f"(tags {', '.join(d.tags)}; schedules: {_schedules(d.schedules)})")
+    print(f"start a worker (it runs the flow runs in {os.getcwd()}; stop it with Ctrl-C or kill):\n"
+          f"  PREFECT_API_URL={api} rsiflow worker --pool {args.pool}\n"
+          f"then trigger a round:\n  PREFECT_API_URL={api} prefect deployment run 'improvement-round/{cfg.run.name}'",
+          flush=True)
+
+
+def cmd_worker(args) -> None:
+    """`prefect worker start --pool P --type process` in this process, with Python's SIGINT handler put back: a
+    shell without job control starts background jobs with SIGINT ignored, and Prefect's worker turns SIGTERM into
+    SIGINT, so such a worker would stop only with SIGKILL; this one stops on SIGTERM and Ctrl-C."""
+    _prefect_env()
+    from prefect.cli import app
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.argv = ["prefect", "worker", "start", "--pool", args.pool, "--type", "process", *args.prefect_args]
+    app()
 
 
 def cmd_pools(args) -> None:
@@ -436,7 +537,24 @@ def main(argv: list[str] | None = None) -> None:
                        parents=[debug])
     _config_args(p)
     p.add_argument("--cron", help="Cron schedule for the round deployment (default: prefect.cron)")
+    p.add_argument("--take-over", action="store_true",
+                   help="Serve deployments of the run that are on a work pool (`rsiflow deploy`) here instead")
     p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("deploy", help="Register the improvement-round/<run> and self-improve/<run> deployments on a "
+                       "work pool from the config (a Prefect server at PREFECT_API_URL; then `rsiflow worker`).",
+                       parents=[debug])
+    _config_args(p)
+    p.add_argument("--pool", default="rsiflow-process", help="Work pool (created, type process, if missing; default "
+                   "rsiflow-process)")
+    p.add_argument("--cron", help="Cron schedule for the round deployment (default: prefect.cron)")
+    p.add_argument("--take-over", action="store_true",
+                   help="Move deployments of the run that `rsiflow serve` serves (or another pool has) to this pool")
+    p.set_defaults(func=cmd_deploy)
+    p = sub.add_parser("worker", help="Start a Prefect process worker for a pool, stoppable by SIGTERM even in the "
+                       "background (the same as prefect worker start --pool P --type process).", parents=[debug])
+    p.add_argument("--pool", default="rsiflow-process", help="Work pool (default rsiflow-process)")
+    p.add_argument("prefect_args", nargs=argparse.REMAINDER, help="More options of prefect worker start")
+    p.set_defaults(func=cmd_worker)
     p = sub.add_parser("status", help="Rounds, steps and the champion of a run (reads the store; never creates one).",
                        parents=[debug])
     _config_args(p)

@@ -37,22 +37,29 @@ from rsiflow.tasks.train import candidate_id
 
 
 def distinct_tasks(env, split: str, n: int, seed: int, exclude: set[str] = frozenset()) -> list[TaskSpec]:
-    """`n` tasks of `split` whose specs all differ and none of which is in `exclude` (specs as `spec_key`): the
-    env's sample in order with repeats dropped, drawn larger until n remain (a family with a small task space,
-    e.g. one-step sums, repeats questions; a repeated task would be counted as two pieces of evidence). Fewer than
-    n when the split has fewer distinct tasks. A sample of n is the start of a sample of more."""
+    """`n` tasks of `split` whose specs and task ids all differ and none of which is in `exclude` (specs as
+    `spec_key`): the env's sample in order with repeats dropped, drawn larger until n remain (a family with a small
+    task space, e.g. one-step sums, repeats questions; a fixed pool cycles; a repeated task would be counted as two
+    pieces of evidence). Fewer than n when the split has fewer distinct tasks, with one warning that says how many.
+    A sample of n is the start of a sample of more."""
     want, tasks = n, []
     while True:
         drawn = env.sample_tasks(split, want, seed)
-        seen, tasks = set(exclude), []
+        seen, ids, tasks = set(exclude), set(), []
         for t in drawn:
             key = spec_key(t)
-            if key not in seen:
+            if key not in seen and t.task_id not in ids:
                 seen.add(key)
+                ids.add(t.task_id)
                 tasks.append(t)
                 if len(tasks) == n:
                     return tasks
         if len(drawn) < want or want >= 16 * n:   # the split is exhausted, or holds too few distinct tasks
+            if len(tasks) < n:
+                logging.getLogger(__name__).warning(
+                    "%s %s tasks (seed %d): asked for %d distinct tasks, found %d in a sample of %d%s",
+                    getattr(env, "name", type(env).__name__), split, seed, n, len(tasks), len(drawn),
+                    f" ({len(exclude)} specs excluded)" if exclude else "")
             return tasks
         want *= 2
 

@@ -1,4 +1,8 @@
-"""generate: the champion plays G rollouts of each of this round's train tasks."""
+"""generate: the champion plays G rollouts of each of this round's train tasks.
+
+A sample in which two tasks share a task id is refused before anything is played or written (`train_tasks`): the
+store keys tasks and trajectories by task id, so each trajectory of a repeated task would be counted once per repeat.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from rsiflow.configs.schema import Config
+from rsiflow.envs.base import RepeatedTaskIds, TaskSpec, require_distinct_ids
 from rsiflow.methods.rollout import Episode
 from rsiflow.tasks.common import (
     backend_for,
@@ -20,17 +25,30 @@ from rsiflow.tasks.common import (
 from rsiflow.tasks.methods import needs_temp_logprobs
 
 
+def train_tasks(cfg: Config, seed: int) -> list[TaskSpec]:
+    """The env's `generate.tasks_per_round` train tasks for `seed`. RepeatedTaskIds, in one line naming the env,
+    the repeated ids and the fix, where two of them share a task id."""
+    n = cfg.generate.tasks_per_round
+    env = env_factory(cfg)()
+    try:
+        tasks = env.sample_tasks("train", n, seed)
+    finally:
+        env.close()
+    try:
+        require_distinct_ids(tasks, f"env {cfg.env.name!r}: sample_tasks('train', {n}, {seed})")
+    except RepeatedTaskIds as exc:
+        raise RepeatedTaskIds(f"{exc}; nothing of this round was played or written (rsiflow check-env "
+                              f"{cfg.env.name} checks the env)") from None
+    return tasks
+
+
 @task(name="generate", cache_policy=NONE)
 def generate_rollouts(cfg: Config, round: int) -> dict:
     started = utcnow()
     run_id = cfg.run.name
     champion, path = serving_champion(cfg)
     seed = round_seed(cfg, round)
-    env = env_factory(cfg)()
-    try:
-        task_specs = env.sample_tasks("train", cfg.generate.tasks_per_round, seed)
-    finally:
-        env.close()
+    task_specs = train_tasks(cfg, seed)   # refuses repeated task ids before anything is played or written
     episodes = [
         Episode(traj_id=f"{run_id}/r{round}/gen/{ti:04d}-{g:02d}", task=t, group_id=f"{run_id}/r{round}/{t.task_id}",
                 sample_idx=g)

@@ -210,7 +210,8 @@ class _Spy(HouseholdEnv):
 
 
 def test_each_result_is_reported_when_its_check_finishes():
-    report = check_env(_Spy, tasks=6, fuzz=50, on_result=_Spy.results.append)
+    # in this process (no time limit: no watching child), so the env sees what on_result was handed
+    report = check_env(_Spy, tasks=6, fuzz=50, step_timeout=None, on_result=_Spy.results.append)
     assert report.ok
     order = [r.name for r in report.results]
     assert min(_Spy.reported) == order.index("hindsight")   # the checks before it were out already
@@ -263,15 +264,19 @@ def test_task_types_are_read_from_the_instance():
 
 
 class _RepeatsATask(HouseholdEnv):
-    """A fixed pool's way past its size: the last task repeats the first."""
+    """A fixed pool's way past its size: the last task repeats the first, task id included."""
 
     def sample_tasks(self, split, n, seed):
         tasks = super().sample_tasks(split, n, seed)
         return tasks[:-1] + tasks[:1]
 
 
-def test_a_repeated_task_is_counted_each_time_it_is_played():
+def test_a_repeated_task_id_fails_the_splits_and_the_later_checks_still_play_every_task():
     by_name = {r.name: r for r in check_env(_RepeatsATask, tasks=8, fuzz=100).results}
-    assert "8 train (7 distinct) + 8 heldout (7 distinct)" in by_name["splits"].detail
+    splits = by_name["splits"]
+    assert splits.status == "fail"
+    assert ("sample_tasks('train', 8, 0) gave 8 tasks with only 7 distinct task ids; repeated: household-"
+            in splits.detail)
+    assert "(x2)" in splits.detail and "give each repeat its own id" in splits.detail
     assert "expert solved 16/16" in by_name["expert"].detail
     assert "solution() solved 16/16" in by_name["solution"].detail and "None" not in by_name["solution"].detail

@@ -1,5 +1,6 @@
 """Process-level behaviour: a run killed with SIGKILL mid-round resumes from its last completed
-step with no duplicated or lost rows; a deployment run through a real local Prefect server."""
+step with no duplicated or lost rows; deployments from a config on a work pool with a worker, then taken over by
+`rsiflow serve`, against a real local Prefect server."""
 
 import os
 import signal
@@ -88,11 +89,41 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_for_deployment(env: dict, name: str, proc: subprocess.Popen, log: Path, served: bool = False) -> None:
+    """Until the deployment exists (`served`: and has no work pool, i.e. a serve process registered it)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    deadline = time.time() + 90
+    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
+        while True:
+            try:
+                if not served or client.read_deployment_by_name(name).work_pool_name is None:
+                    return
+            except ObjectNotFound:
+                pass
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+
+
+def _trigger(env: dict, name: str, *logs: Path) -> None:
+    run = subprocess.run([sys.executable, "-m", "prefect", "deployment", "run", name, "--watch", "--watch-timeout",
+                          "240"], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:] + "".join(
+        log.read_text()[-3000:] for log in logs if log.exists())
+
+
 @pytest.mark.slow
-def test_deployment_run_through_local_prefect_server(tmp_path):
+def test_deploy_from_config_worker_round_then_serve_takes_over(tmp_path):
+    """`rsiflow deploy` registers the run's deployments on a work pool from the config alone (tags, description,
+    concurrency, working folder); `rsiflow serve` refuses to take them without --take-over; a worker started in
+    the background (SIGINT ignored, as a script's `&` leaves it) runs a round and stops on SIGTERM; then serve
+    takes the deployment over and runs the next round."""
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = _env(tmp_path, PREFECT_API_URL=api)
+    sets = _sets(tiny_overrides(tmp_path))
     procs = []
     try:
         server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
@@ -110,26 +141,49 @@ def test_deployment_run_through_local_prefect_server(tmp_path):
             except OSError:
                 assert server.poll() is None and time.time() < deadline, (tmp_path / "server.log").read_text()[-3000:]
                 time.sleep(0.5)
-        serve = subprocess.Popen(RSIFLOW + ["serve", "--config", TINY, *_sets(tiny_overrides(tmp_path))], cwd=REPO,
-                                 env=env, stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT,
-                                 start_new_session=True)
-        procs.append(serve)
-        deadline = time.time() + 90
-        while True:
-            found = subprocess.run([sys.executable, "-m", "prefect", "deployment", "inspect",
-                                    "improvement-round/tiny"],
-                                   env=env, capture_output=True, text=True, timeout=60)
-            if found.returncode == 0:
-                break
-            assert serve.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
-            time.sleep(1)
-        run = subprocess.run([sys.executable, "-m", "prefect", "deployment", "run", "improvement-round/tiny",
-                              "--watch", "--watch-timeout", "240"],
-                             env=env, capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, (run.stdout[-3000:] + run.stderr[-2000:]
-                                     + (tmp_path / "serve.log").read_text()[-3000:])
+
+        deploy = subprocess.run(RSIFLOW + ["deploy", "--config", TINY, *sets], cwd=REPO, env=env,
+                                capture_output=True, text=True, timeout=120)
+        assert deploy.returncode == 0, deploy.stdout + deploy.stderr
+        assert "created work pool 'rsiflow-process'" in deploy.stdout and "rsiflow worker --pool" in deploy.stdout
+        from prefect.client.orchestration import get_client
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+            d = client.read_deployment_by_name("improvement-round/tiny")
+            assert d.work_pool_name == "rsiflow-process" and d.job_variables == {"working_dir": str(REPO)}
+            assert set(d.tags) == {"rsiflow", "run:tiny", "env:household", "method:exit"}
+            assert "run 'tiny'" in d.description and "configs/tiny.yaml" in d.description
+            assert d.global_concurrency_limit.limit == 1 and d.concurrency_options.collision_strategy == "ENQUEUE"
+            assert d.parameters["config"] == [TINY]
+            assert client.read_deployment_by_name("self-improve/tiny").work_pool_name == "rsiflow-process"
+
+        refused = subprocess.run(RSIFLOW + ["serve", "--config", TINY, *sets], cwd=REPO, env=env,
+                                 capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 1 and "on work pool 'rsiflow-process'" in refused.stderr
+        assert "--take-over" in refused.stderr and "Traceback" not in refused.stderr
+
+        worker_log = tmp_path / "worker.log"
+        worker = subprocess.Popen(RSIFLOW + ["worker", "--pool", "rsiflow-process"], cwd=tmp_path, env=env,
+                                  stdout=open(worker_log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        procs.append(worker)
+        _trigger(env, "improvement-round/tiny", worker_log)
         with Store(tmp_path / "store.duckdb", read_only=True) as s:
             assert s.round_status("tiny", 1) == "completed"
+            (ran,) = s.round_flow_runs("tiny", 1)
+            assert ran["flow_run_name"] == "tiny-round-1" and ran["deployment_id"] == str(d.id)
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(timeout=60)   # a worker that ignored it would be killed in `finally` and fail here
+
+        serve_log = tmp_path / "serve.log"
+        serve = subprocess.Popen(RSIFLOW + ["serve", "--config", TINY, *sets, "--take-over"], cwd=REPO, env=env,
+                                 stdout=open(serve_log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(serve)
+        _wait_for_deployment(env, "improvement-round/tiny", serve, serve_log, served=True)
+        _trigger(env, "improvement-round/tiny", serve_log)
+        with Store(tmp_path / "store.duckdb", read_only=True) as s:
+            assert s.round_status("tiny", 2) == "completed"
             assert s.champion("tiny") is not None
     finally:
         for p in reversed(procs):

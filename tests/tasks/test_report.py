@@ -1,8 +1,15 @@
 """The run's report: the serving model per round, empty cells the Prefect UI shows as text, the whole history in
 the run-level artifact, promotions marked on the plot."""
 
-from rsiflow.tasks.report import (NONE, heldout_series, history_markdown, markdown_table, plot_png,
-                                  promotion_points, round_table)
+from rsiflow.tasks.report import (
+    NONE,
+    heldout_series,
+    history_markdown,
+    markdown_table,
+    plot_png,
+    promotion_points,
+    round_table,
+)
 
 
 def _h(k, n):
