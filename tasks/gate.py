@@ -277,6 +277,7 @@ def gate_candidate(cfg: Config, round: int) -> dict:
     with open_store(cfg) as store:
         champion = store.champion(run_id)
         trained = store.has_model(cid)
+        why_not = (store.step_metrics(run_id, round, "train") or {}).get("skipped") or "no training examples"
         paths = {m: store.model_path(m) for m in ((cid, champion) if trained else (champion,))}
         stored = _stored_results(store, run_id, champion, [t.task_id for t in tasks])
         stored_actions = store.trajectory_actions([r["traj_id"] for r in stored.values()])
@@ -320,10 +321,10 @@ def gate_candidate(cfg: Config, round: int) -> dict:
         decision, n = "skip", sizes[0]
         plays.play_first(n)
         successes = sum(bool(plays.greedy[champion][i]["success"]) for i in range(n))
-        evidence = {"reason": "no training examples this round: no candidate was trained",
+        evidence = {"reason": f"{why_not}: no candidate was trained",
                     "n": n, "champion_successes": successes, "champion_rate": successes / n, "metric": g.metric}
         summary = {"decision": decision, "champion": evidence["champion_rate"], "n": n}
-        line = f"no candidate (no training examples) -> skip; champion {successes}/{n}"
+        line = f"no candidate ({why_not}) -> skip; champion {successes}/{n}"
     figures = {m: plays.summary(m, n) for m in paths}
     evidence.update(task_ids=[t.task_id for t in tasks[:n]], champion_results_reused=not plays.played[champion],
                     champion_tasks_reused=n - len(plays.played[champion]),

@@ -108,8 +108,8 @@ def _replay_metrics(counts: dict, replay_round: dict[str, int], used_ids: list[s
 def _skip(cfg: Config, round: int, started, metrics: dict, why: str) -> dict:
     """Nothing to learn from: a candidate would be a copy of the champion. None is registered, and the gate
     records a 'skip'."""
-    with open_store(cfg) as store, store.step(cfg.run.name, round, "train", started):
-        pass
+    with open_store(cfg) as store, store.step(cfg.run.name, round, "train", started) as tx:
+        tx.metrics({"skipped": why})   # the gate's record of the skip names it
     get_run_logger().info("round %d train: skipped, %s", round, why)
     return {**metrics, "skipped": why}
 
@@ -178,7 +178,10 @@ def train_round(cfg: Config, round: int) -> dict:
                "replay": _replay_metrics(replay_counts, replay_round, used_ids)}
     if not used_ids:  # e.g. every GRPO group was uniform: the candidate would be a copy of the champion
         shutil.rmtree(out_dir)
-        return _skip(cfg, round, started, metrics, "no row of this round could be trained on")
+        zero = sum(r.get("kind") == "pg" and not r.get("advantage") for r in rows)
+        why = (f"all {len(rows)} rows have advantage 0 (uniform groups: no policy gradient)" if zero == len(rows)
+               else f"none of the {len(rows)} rows could be trained on")
+        return _skip(cfg, round, started, metrics, why)
     cid = candidate_id(cfg, round)
     counts = {m.name: sum(e["method"] == m.name for e in examples) for m in methods}
     write_model_card(out_dir, {

@@ -101,10 +101,12 @@ def test_a_round_of_uniform_groups_trains_no_candidate(tmp_path, prefect_api):
                                "env.max_turns=1", "env.show_admissible=false", "env.project_actions=false",
                                "distill.methods=[grpo]")
     result = improvement_round([TINY], overrides)
-    assert "no row of this round could be trained on" in result["results"]["train"]["skipped"]
+    assert result["results"]["train"]["skipped"] == "all 8 rows have advantage 0 (uniform groups: no policy gradient)"
     assert result["results"]["train"]["pg_skipped_zero_advantage"] == 8
     con = duckdb.connect(str(tmp_path / "store.duckdb"), read_only=True)
     assert con.execute("SELECT decision FROM gate_decisions").fetchall() == [("skip",)]
+    (reason,), = con.execute("SELECT evidence->>'reason' FROM gate_decisions").fetchall()
+    assert reason == "all 8 rows have advantage 0 (uniform groups: no policy gradient): no candidate was trained"
     assert con.execute("SELECT count(*) FROM models").fetchall() == [(1,)]
     assert con.execute("SELECT count(*) FROM examples WHERE method = 'grpo'").fetchall() == [(8,)]
     (metrics,), = con.execute("SELECT metrics FROM rounds WHERE round = 1").fetchall()
