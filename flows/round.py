@@ -113,7 +113,7 @@ def _take_round(store, run_id: str, flow_run) -> int:
         raise RoundAlreadyRan(
             f"flow run {flow_run.name!r} ran round {ran} of run {run_id!r}, which completed: a flow run runs one "
             f"round, so this retry runs nothing. Run round {round} as a new flow run: `prefect deployment run "
-            f"'improvement-round/<deployment>'` (or Run in the UI), or `rsiflow run --config ...`")
+            f"'improvement-round/{run_id}'` (or Run in the UI), or `rsiflow run --config ...`")
     return round
 
 

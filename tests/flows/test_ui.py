@@ -124,20 +124,24 @@ def test_prefect_ui_shows_rounds_history_and_a_failed_step(tmp_path):
             browser = p.chromium.launch(executable_path=CHROMIUM)
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
 
-            def shot(url: str, name: str, wait_text: str, tab: str | None = None, height: int = 1000) -> str:
+            def shot(url: str, name: str, wait_text: str, tab: str | None = None, height: int = 1000,
+                     scroll: bool = False) -> str:
                 page.set_viewport_size({"width": 1400, "height": height})   # the UI scrolls inside its own pane
                 page.goto(ui + url)
                 page.wait_for_load_state("networkidle")
                 if tab:
                     page.get_by_text(tab, exact=True).first.click()
                 page.get_by_text(wait_text).first.wait_for(timeout=30_000)
+                if scroll:   # the UI scrolls inside its own pane: bring the line into the picture
+                    page.get_by_text(wait_text).first.scroll_into_view_if_needed()
                 page.wait_for_timeout(1500)   # let the graph and the images settle
                 page.screenshot(path=str(shots / name), full_page=True)
                 return page.inner_text("body")
 
             text = shot("/runs", "ui-runs.png", "tiny-round-2")
             assert "tiny-timeout-round-1" in text and "run:tiny" in text and "gate:reject" in text
-            text = shot(f"/runs/flow-run/{round2['id']}", "ui-refused-retry.png", "a flow run runs one round")
+            text = shot(f"/runs/flow-run/{round2['id']}", "ui-refused-retry.png", "a flow run runs one round",
+                        scroll=True)
             assert "retry refused" in text or "which completed" in text
             text = shot(f"/runs/flow-run/{round2['id']}", "ui-flow-run.png", "round 2 deploy", height=2100)
             assert "round 2 generate: tiny/base played 4 tasks x 2 rollouts" in text
