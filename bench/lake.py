@@ -172,13 +172,13 @@ def compare_runs(expected: dict[str, list], got: dict[str, list]) -> dict[str, i
 
 # ---- the store-write workload -------------------------------------------------------------------------------
 
-def _rows(run_id: str, round: int, n: int) -> dict[str, list[dict]]:
+def _rows(run_id: str, round_no: int, n: int) -> dict[str, list[dict]]:
     """The synthetic, deterministic rows one round of `run_id` writes, by step and table."""
-    base = f"{run_id}/base" if round == 1 else f"{run_id}/r{round - 1}/candidate"
-    cand = f"{run_id}/r{round}/candidate"
-    tasks = [{"task_id": f"{run_id}/r{round}/task{i}", "env": "household", "split": "train", "task_type": "pick",
-              "seed": round * 1000 + i, "spec": {"i": i}} for i in range(n)]
-    trajs = [{"traj_id": f"{run_id}/r{round}/t{i}", "task_id": t["task_id"], "model_id": base,
+    base = f"{run_id}/base" if round_no == 1 else f"{run_id}/r{round_no - 1}/candidate"
+    cand = f"{run_id}/r{round_no}/candidate"
+    tasks = [{"task_id": f"{run_id}/r{round_no}/task{i}", "env": "household", "split": "train", "task_type": "pick",
+              "seed": round_no * 1000 + i, "spec": {"i": i}} for i in range(n)]
+    trajs = [{"traj_id": f"{run_id}/r{round_no}/t{i}", "task_id": t["task_id"], "model_id": base,
               "group_id": f"g{i // 2}", "sample_idx": i % 2, "purpose": "train", "status": "success" if i % 3 else
               "failure", "success": bool(i % 3), "reward": float(i % 3 > 0), "n_turns": 3,
               "hindsight": {"facts": [f"fact {i}"]}} for i, t in enumerate(tasks)]
@@ -186,17 +186,17 @@ def _rows(run_id: str, round: int, n: int) -> dict[str, list[dict]]:
               "action_text": f"go to shelf {j}", "action_symbol": "go<r>", "token_ids": list(range(j, j + 8)),
               "logprobs": [-0.5] * 8, "temp_logprobs": [-0.25] * 8, "reward": 0.0, "done": j == 2, "valid": True}
              for t in trajs for j in range(3)]
-    examples = [{"example_id": f"{run_id}/r{round}/e{i}", "method": "exit", "source_traj_id": t["traj_id"],
+    examples = [{"example_id": f"{run_id}/r{round_no}/e{i}", "method": "exit", "source_traj_id": t["traj_id"],
                  "messages": [{"role": "user", "content": f"task {i}"}, {"role": "assistant", "content": "ok"}],
                  "weight": 1.0} for i, t in enumerate(trajs) if t["success"]]
     return {
         "generate": {"tasks": tasks, "trajectories": trajs, "turns": turns},
-        "evaluate": {"evaluations": [{"eval_id": f"{run_id}/r{round}/train", "model_id": base, "split": "train",
+        "evaluate": {"evaluations": [{"eval_id": f"{run_id}/r{round_no}/train", "model_id": base, "split": "train",
                                       "env": "household", "task_type": "*", "n": n, "successes": sum(
                                           t["success"] for t in trajs)}]},
         "distill": {"examples": examples},
         "train": {"models": [{"model_id": cand, "parent_id": base, "path": f"/ckpt/{cand}", "role": "candidate",
-                              "train_metrics": {"loss": 1.0 / round}}],
+                              "train_metrics": {"loss": 1.0 / round_no}}],
                   "train_inputs": [{"model_id": cand, "example_id": e["example_id"]} for e in examples]},
         "gate": {"gate_decisions": [{"candidate_id": cand, "champion_id": base, "decision": "promote",
                                      "rule": "always", "new_champion_id": cand}]},

@@ -27,7 +27,7 @@ import pyarrow as pa
 from rsiflow.stores.store import Store
 
 
-def synthetic_turns(n: int, run_id: str, round: int, step: str) -> pa.Table:
+def synthetic_turns(n: int, run_id: str, round_no: int, step: str) -> pa.Table:
     rng = np.random.default_rng(0)
     per = 10
     ids = pa.ListArray.from_arrays(np.arange(0, (n + 1) * per, per, dtype=np.int32),
@@ -36,7 +36,7 @@ def synthetic_turns(n: int, run_id: str, round: int, step: str) -> pa.Table:
                                    pa.array(-rng.random(n * per, dtype=np.float32)))
     traj = np.char.add("traj-", (np.arange(n) // 8).astype(str))
     return pa.table({
-        "traj_id": pa.array(traj), "run_id": pa.array([run_id] * n), "round": pa.array([round] * n, pa.int32()),
+        "traj_id": pa.array(traj), "run_id": pa.array([run_id] * n), "round": pa.array([round_no] * n, pa.int32()),
         "step": pa.array([step] * n), "turn_idx": pa.array(np.arange(n) % 8, pa.int32()),
         "observation": pa.array(["You arrive at cabinet 1. The cabinet 1 is closed."] * n),
         "action_text": pa.array(["open cabinet 1"] * n), "raw_text": pa.nulls(n, pa.string()),

@@ -487,9 +487,9 @@ def status_lines(store, run_id: str) -> list[str]:
     return lines
 
 
-def _resumes(store, run_id: str, round: int) -> str:
+def _resumes(store, run_id: str, round_no: int) -> str:
     """What resumes an unfinished round: a retry of the deployment's flow run that ran it, or `rsiflow run`."""
-    runs = store.round_flow_runs(run_id, round)
+    runs = store.round_flow_runs(run_id, round_no)
     deployed = [f for f in runs if f["deployment_id"]]
     if deployed:
         name = deployed[-1]["flow_run_name"]

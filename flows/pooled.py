@@ -104,19 +104,19 @@ def _cancel(client, flow_run_id, why: str) -> None:
         get_run_logger().warning("could not cancel step flow run %s (%s): %s", flow_run_id, why, err)
 
 
-def run_on_pool(cfg: Config, step: str, round: int, lease, tags: list[str]) -> dict:
+def run_on_pool(cfg: Config, step: str, round_no: int, lease, tags: list[str]) -> dict:
     """Run `step` of `round` as a flow run of its deployment on its work pool, tagged `tags` + step and pool, and
     wait for it (the round's lease heartbeats meanwhile). Returns the step's summary with the flow run and pool;
     raises StepFailed (or ConfigError, LeaseLostError) as the in-process step would."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
-    pool, name = cfg.prefect.pools[step], f"{cfg.run.name}-round-{round}-{step}"
+    pool, name = cfg.prefect.pools[step], f"{cfg.run.name}-round-{round_no}-{step}"
     logger = get_run_logger()
-    fr = run_deployment(deployment_name(cfg, step), parameters={"step": step, "round": round,
+    fr = run_deployment(deployment_name(cfg, step), parameters={"step": step, "round_no": round_no,
                                                                 "config": config_payload(cfg)},
                         flow_run_name=name, tags=[*tags, f"step:{step}", f"pool:{pool}"], timeout=0)
-    logger.info("round %d step %s: flow run %r on work pool %r", round, step, name, pool)
+    logger.info("round %d step %s: flow run %r on work pool %r", round_no, step, name, pool)
     created = time.monotonic()
     with get_client(sync_client=True) as client:
         try:
@@ -131,7 +131,8 @@ def run_on_pool(cfg: Config, step: str, round: int, lease, tags: list[str]) -> d
                 if waiting and time.monotonic() - created > cfg.prefect.pool_start_timeout_s:
                     _cancel(client, fr.id, "no worker started it in time")
                     raise StepFailed(
-                        f"round {round} of run {cfg.run.name!r}: step {step} failed: no worker of work pool {pool!r} "
+                        f"round {round_no} of run {cfg.run.name!r}: step {step} failed: no worker of work pool "
+                        f"{pool!r} "
                         f"started its flow run {name!r} within {cfg.prefect.pool_start_timeout_s:g} s "
                         f"(prefect.pool_start_timeout_s); start one: prefect worker start --pool {pool} --type process")
                 time.sleep(POLL_S)
@@ -143,14 +144,15 @@ def run_on_pool(cfg: Config, step: str, round: int, lease, tags: list[str]) -> d
         why = _failure(state)
         if why.startswith("ConfigError: "):
             raise ConfigError(why.removeprefix("ConfigError: "))
-        raise StepFailed(f"round {round} of run {cfg.run.name!r}: step {step} failed: {why} "
+        raise StepFailed(f"round {round_no} of run {cfg.run.name!r}: step {step} failed: {why} "
                          f"(flow run {name!r} on work pool {pool!r})")
     path = results_dir(cfg) / f"{fr.id}.json"
     try:
         result = json.loads(path.read_text())
         path.unlink()
     except OSError as err:
-        raise StepFailed(f"round {round} of run {cfg.run.name!r}: step {step} completed on work pool {pool!r} but its "
+        raise StepFailed(f"round {round_no} of run {cfg.run.name!r}: step {step} completed on work pool {pool!r} "
+                         "but its "
                          f"summary {path} is not readable here ({err}): run.run_dir must be a folder every worker "
                          "and the round share") from None
     return {**result, "flow_run": name, "flow_run_id": str(fr.id), "pool": pool}

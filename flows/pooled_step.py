@@ -14,7 +14,7 @@ from rsiflow.flows.round import STEP_TASKS, run_tags, step_task
 
 
 @flow(name=STEP_FLOW)
-def pooled_step(step: str, round: int, config: dict) -> dict:
+def pooled_step(step: str, round_no: int, config: dict) -> dict:
     """Run one step of a round (the step's task, with the config's retries and timeout) in this worker process;
     the round flow that started this run holds the run's lease and waits for it."""
     from prefect.runtime import flow_run
@@ -23,9 +23,9 @@ def pooled_step(step: str, round: int, config: dict) -> dict:
     if step not in STEP_TASKS:
         raise ConfigError(f"unknown step {step!r} (steps: {', '.join(STEP_TASKS)})")
     cfg = config_from_payload(config)
-    get_run_logger().info("round %d of run %r: step %s on this worker (pid %d, store %s)", round, cfg.run.name, step,
+    get_run_logger().info("round %d of run %r: step %s on this worker (pid %d, store %s)", round_no, cfg.run.name, step,
                           os.getpid(), cfg.run.store)
-    result = step_task(cfg, step)(quote(cfg), round)
+    result = step_task(cfg, step)(quote(cfg), round_no)
     out = results_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".{flow_run.id}.json"

@@ -107,20 +107,20 @@ def _current_flow_run():
 def _take_round(store, run_id: str, flow_run) -> int:
     """The round this flow run runs: the run's next one. A flow run that already ran a round runs it again only
     while it is unfinished (resume); one that completed raises RoundAlreadyRan."""
-    round = max(store.last_completed_round(run_id), 0) + 1  # rounds count from 1; 0 registers the base
+    round_no = max(store.last_completed_round(run_id), 0) + 1  # rounds count from 1; 0 registers the base
     ran = store.flow_run_round(run_id, str(flow_run.id)) if flow_run is not None else None
     if ran is not None and store.round_status(run_id, ran) == "completed":
         raise RoundAlreadyRan(
             f"flow run {flow_run.name!r} ran round {ran} of run {run_id!r}, which completed: a flow run runs one "
-            f"round, so this retry runs nothing. Run round {round} as a new flow run: `prefect deployment run "
+            f"round, so this retry runs nothing. Run round {round_no} as a new flow run: `prefect deployment run "
             f"'improvement-round/{run_id}'` (or Run in the UI), or `rsiflow run --config ...`")
-    return round
+    return round_no
 
 
-def outcome(cfg: Config, round: int) -> tuple[str | None, str | None]:
+def outcome(cfg: Config, round_no: int) -> tuple[str | None, str | None]:
     """The round's gate decision and the model that serves after it, from the store (None, None before its gate)."""
     with open_store(cfg) as store:
-        decided = [d for d in store.promotion_history(cfg.run.name) if d["round"] == round]
+        decided = [d for d in store.promotion_history(cfg.run.name) if d["round"] == round_no]
     return (decided[-1]["decision"], decided[-1]["new_champion_id"]) if decided else (None, None)
 
 
@@ -139,33 +139,33 @@ def run_round(cfg: Config, lease_wait_s: float = 0.0) -> dict:
     flow_run = _current_flow_run()
     with run_lease(cfg, lease_wait_s) as lease:
         with open_store(cfg) as store:
-            round = _take_round(store, run_id, flow_run)
-            done = store.completed_steps(run_id, round)
+            round_no = _take_round(store, run_id, flow_run)
+            done = store.completed_steps(run_id, round_no)
             champion = store.champion(run_id)
-            if store.round_status(run_id, round) is None:
-                store.start_round(run_id, round, champion)
+            if store.round_status(run_id, round_no) is None:
+                store.start_round(run_id, round_no, champion)
             if flow_run is not None:
-                store.record_flow_run(run_id, round, str(flow_run.id), f"{run_id}-round-{round}",
+                store.record_flow_run(run_id, round_no, str(flow_run.id), f"{run_id}-round-{round_no}",
                                       str(flow_run.deployment_id) if flow_run.deployment_id else None)
-        lease.set_flow_run(*label_flow_run(cfg, f"{run_id}-round-{round}"))
+        lease.set_flow_run(*label_flow_run(cfg, f"{run_id}-round-{round_no}"))
         logger = get_run_logger()
-        logger.info("round %d of run %r starting: champion %s", round, run_id, champion)
+        logger.info("round %d of run %r starting: champion %s", round_no, run_id, champion)
         if done:
-            logger.info("resuming round %d of run %r: %s already completed", round, run_id, sorted(done))
+            logger.info("resuming round %d of run %r: %s already completed", round_no, run_id, sorted(done))
         results, previous = {}, None
         for step in STEPS:
             if step in done:
                 continue
             lease.check()
             if step in cfg.prefect.pools:   # its own flow run on a worker of its pool; this flow waits for it
-                results[step], previous = run_on_pool(cfg, step, round, lease, run_tags(cfg)), None
+                results[step], previous = run_on_pool(cfg, step, round_no, lease, run_tags(cfg)), None
                 continue
             # The UI's task graph shows the step order: each step waits for the previous one. Prefect would also
             # draw an edge from any object in a task's inputs that an earlier task returned (matched by id, e.g.
             # an interned string), so cfg is quoted (neither searched nor copied) and the previous step is passed
             # as a finished future (a state would be searched, result included).
             started = utcnow()
-            state = step_task(cfg, step)(quote(cfg), round, wait_for=[finished(previous)] if previous else None,
+            state = step_task(cfg, step)(quote(cfg), round_no, wait_for=[finished(previous)] if previous else None,
                                          return_state=True)
             try:
                 results[step] = state.result()
@@ -174,14 +174,14 @@ def run_round(cfg: Config, lease_wait_s: float = 0.0) -> dict:
             except Exception as e:  # the step's own traceback is in its task run's log already
                 why = f"{type(e).__name__}: {_first_line(e)}"
                 with open_store(cfg) as store:   # a step stopped before its transaction did not record itself
-                    store.step_failed(run_id, round, step, started, why)
-                raise StepFailed(f"round {round} of run {run_id!r}: step {step} failed: {why}") from e
+                    store.step_failed(run_id, round_no, step, started, why)
+                raise StepFailed(f"round {round_no} of run {run_id!r}: step {step} failed: {why}") from e
             previous = state
             if step == "gate":
-                update_flow_run(tags=outcome_tags(*outcome(cfg, round)))
-        decision, serving = outcome(cfg, round)
+                update_flow_run(tags=outcome_tags(*outcome(cfg, round_no)))
+        decision, serving = outcome(cfg, round_no)
         update_flow_run(tags=outcome_tags(decision, serving))
-    return {"round": round, "skipped": sorted(done), "results": results, "decision": decision, "serving": serving}
+    return {"round": round_no, "skipped": sorted(done), "results": results, "decision": decision, "serving": serving}
 
 
 def _first_line(e: BaseException) -> str:
@@ -290,7 +290,7 @@ def improvement_round(config: list[str] = ["configs/default.yaml"], overrides: l
     return Completed(message=f"round {result['round']}: {decision}{result['serving']} serves", data=result)
 
 
-def round_flow(cfg: Config, round: int):
+def round_flow(cfg: Config, round_no: int):
     """`improvement_round` with its flow run named `<run>-round-<round>` from the start (for callers that hold
     the run's lease, so `round` is the round it will run)."""
-    return improvement_round.with_options(flow_run_name=f"{cfg.run.name}-round-{round}")
+    return improvement_round.with_options(flow_run_name=f"{cfg.run.name}-round-{round_no}")

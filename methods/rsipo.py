@@ -273,7 +273,7 @@ def retrieve(library: list[LibrarySkill], task_type: str, task_text: str, k: int
     return scored[:k]
 
 
-def library_entry(skill: LibrarySkill, round: int, retire_after: int, z: float = 1.96) -> dict:
+def library_entry(skill: LibrarySkill, round_no: int, retire_after: int, z: float = 1.96) -> dict:
     """A skill's library summary after `round`'s tests, and its status: the mean gain over its tests with a
     normal interval (mean ± z·sqrt(Σ v)/n: tests are independent replays), the last gain, shrunk gain and weight,
     how many of its latest tests in a row had a shrunk gain ≤ 0; retired (from this round on) once that streak
@@ -285,7 +285,7 @@ def library_entry(skill: LibrarySkill, round: int, retire_after: int, z: float =
             break
         streak += 1
     if skill.status == "active" and tests and streak >= retire_after:
-        skill.status, skill.retired_round = "retired", round
+        skill.status, skill.retired_round = "retired", round_no
     n = len(tests)
     m = mean(t["gain"] for t in tests) if tests else None
     half = z * math.sqrt(sum(t["noise"] for t in tests)) / n if tests else None

@@ -112,10 +112,10 @@ def _pid_alive(pid: int) -> bool:
 class StepWriter:
     """Writes of one pipeline step, inside the transaction opened by `Store.step`."""
 
-    def __init__(self, store: "Store", run_id: str, round: int, step: str):
+    def __init__(self, store: "Store", run_id: str, round_no: int, step: str):
         self.store = store
         self.run_id = run_id
-        self.round = round
+        self.round = round_no
         self.step = step
         self.step_metrics: dict | None = None
         # On a lake: the writes so far, run again in order if the commit loses a write conflict.
@@ -441,7 +441,7 @@ class Store:
     # ---- step transactions ----------------------------------------------------------------
 
     @contextmanager
-    def step(self, run_id: str, round: int, step: str, started_at: datetime | None = None) -> Iterator[StepWriter]:
+    def step(self, run_id: str, round_no: int, step: str, started_at: datetime | None = None) -> Iterator[StepWriter]:
         """One transaction for a pipeline step's writes, keyed by (run_id, round, step).
 
         `started_at` is when the step's work began (steps compute first and write at the end, so
@@ -453,7 +453,7 @@ class Store:
         error text in a new transaction, and re-raise.
         """
         if self.lake:
-            yield from self._lake_step(run_id, round, step, started_at or _utcnow())
+            yield from self._lake_step(run_id, round_no, step, started_at or _utcnow())
             return
         con = self._con
         started = started_at or _utcnow()
@@ -462,19 +462,19 @@ class Store:
             con.execute(
                 "INSERT OR REPLACE INTO steps (run_id, round, step, status, started_at, finished_at, error, metrics)"
                 " VALUES (?, ?, ?, 'running', ?, NULL, NULL, NULL)",
-                [run_id, round, step, started],
+                [run_id, round_no, step, started],
             )
             for table in sorted(self.step_tables):
                 con.execute(
                     f'DELETE FROM "{table}" WHERE run_id = ? AND round = ? AND step = ?',
-                    [run_id, round, step],
+                    [run_id, round_no, step],
                 )
-            writer = StepWriter(self, run_id, round, step)
+            writer = StepWriter(self, run_id, round_no, step)
             yield writer
             con.execute(
                 "UPDATE steps SET status = 'completed', finished_at = ?, metrics = ?"
                 " WHERE run_id = ? AND round = ? AND step = ?",
-                [_utcnow(), _json_text(writer.step_metrics), run_id, round, step],
+                [_utcnow(), _json_text(writer.step_metrics), run_id, round_no, step],
             )
             con.commit()
         except BaseException as err:
@@ -482,11 +482,11 @@ class Store:
             con.execute(
                 "INSERT OR REPLACE INTO steps (run_id, round, step, status, started_at, finished_at, error, metrics)"
                 " VALUES (?, ?, ?, 'failed', ?, ?, ?, NULL)",
-                [run_id, round, step, started, _utcnow(), f"{type(err).__name__}: {err}"],
+                [run_id, round_no, step, started, _utcnow(), f"{type(err).__name__}: {err}"],
             )
             raise
 
-    def _lake_step(self, run_id: str, round: int, step: str, started: datetime) -> Iterator[StepWriter]:
+    def _lake_step(self, run_id: str, round_no: int, step: str, started: datetime) -> Iterator[StepWriter]:
         """`step` on a lake. No key to replace the status row by, so the transaction deletes the key's rows (its
         old status row with them) and inserts the completed status row at the end. If the commit loses a write
         conflict (a concurrent transaction deleted from a Parquet file this one deletes from), the transaction
@@ -494,10 +494,10 @@ class Store:
         the step or by ids it owns, so running them again gives the same rows). Round 0 (the run's creation, before
         any lease exists) also takes the lake's lock row, so two processes creating one run write it once."""
         con = self._con
-        key = [run_id, round, step]
+        key = [run_id, round_no, step]
 
         def clear() -> None:
-            if round == 0:
+            if round_no == 0:
                 con.execute(lakes.LEASE_LOCK_SQL)
             for table in sorted(self.step_tables | {"steps"}):
                 con.execute(f'DELETE FROM "{table}" WHERE run_id = ? AND round = ? AND step = ?', key)
@@ -508,7 +508,7 @@ class Store:
                         [*key, started, _utcnow(), _json_text(writer.step_metrics)])
             con.commit()
 
-        writer = StepWriter(self, run_id, round, step)
+        writer = StepWriter(self, run_id, round_no, step)
         con.begin()
         try:
             clear()
@@ -595,16 +595,16 @@ class Store:
         """All runs, oldest first, configs parsed."""
         return self.rows("SELECT * FROM runs ORDER BY created_at, run_id", json_cols=("config",))
 
-    def start_round(self, run_id: str, round: int, champion_before: str | None) -> None:
+    def start_round(self, run_id: str, round_no: int, champion_before: str | None) -> None:
         """Mark a round running. Starting it again (resume) keeps its original started_at."""
         if self.lake:   # no key for ON CONFLICT on a lake: update the row, or insert it
             def start() -> None:
                 changed = self._con.execute(
                     "UPDATE rounds SET status = 'running', champion_before = ?, finished_at = NULL"
-                    " WHERE run_id = ? AND round = ?", [champion_before, run_id, round]).fetchall()[0][0]
+                    " WHERE run_id = ? AND round = ?", [champion_before, run_id, round_no]).fetchall()[0][0]
                 if not changed:
                     self._con.execute("INSERT INTO rounds (run_id, round, status, champion_before, started_at)"
-                                      " VALUES (?, ?, 'running', ?, ?)", [run_id, round, champion_before, _utcnow()])
+                                      " VALUES (?, ?, 'running', ?, ?)", [run_id, round_no, champion_before, _utcnow()])
             self._lake_tx(start)
             return
         self._con.execute(
@@ -612,29 +612,29 @@ class Store:
             " VALUES (?, ?, 'running', ?, ?)"
             " ON CONFLICT (run_id, round) DO UPDATE SET status = 'running',"
             " champion_before = excluded.champion_before, finished_at = NULL",
-            [run_id, round, champion_before, _utcnow()],
+            [run_id, round_no, champion_before, _utcnow()],
         )
 
-    def finish_round(self, run_id: str, round: int, champion_after: str | None, metrics: dict) -> None:
+    def finish_round(self, run_id: str, round_no: int, champion_after: str | None, metrics: dict) -> None:
         """Mark a started round completed with its resulting champion and metrics."""
         def finish() -> int:
             return self._con.execute(
                 "UPDATE rounds SET status = 'completed', champion_after = ?, finished_at = ?, metrics = ?"
                 " WHERE run_id = ? AND round = ?",
-                [champion_after, _utcnow(), json.dumps(metrics), run_id, round],
+                [champion_after, _utcnow(), json.dumps(metrics), run_id, round_no],
             ).fetchall()[0][0]
         updated = self._lake_tx(finish) if self.lake else finish()
         if not updated:
-            raise ValueError(f"round {round} of run {run_id!r} was never started")
+            raise ValueError(f"round {round_no} of run {run_id!r} was never started")
 
-    def record_flow_run(self, run_id: str, round: int, flow_run_id: str, flow_run_name: str | None,
+    def record_flow_run(self, run_id: str, round_no: int, flow_run_id: str, flow_run_name: str | None,
                         deployment_id: str | None = None) -> None:
         """Note that the Prefect flow run `flow_run_id` runs `round` of the run (once per flow run and round)."""
         def write() -> None:
             if not self._con.execute("SELECT 1 FROM round_flow_runs WHERE run_id = ? AND round = ? AND flow_run_id = ?",
-                                     [run_id, round, flow_run_id]).fetchall():
+                                     [run_id, round_no, flow_run_id]).fetchall():
                 self._con.execute("INSERT INTO round_flow_runs VALUES (?, ?, ?, ?, ?, ?)",
-                                  [run_id, round, flow_run_id, flow_run_name, deployment_id, _utcnow()])
+                                  [run_id, round_no, flow_run_id, flow_run_name, deployment_id, _utcnow()])
         if self.lake:
             self._lake_tx(write)
         else:
@@ -646,15 +646,15 @@ class Store:
                                  [run_id, flow_run_id]).fetchall()
         return rows[0][0]
 
-    def round_flow_runs(self, run_id: str, round: int) -> list[dict]:
+    def round_flow_runs(self, run_id: str, round_no: int) -> list[dict]:
         """The flow runs that ran or resumed the round, first first."""
         return self.rows("SELECT flow_run_id, flow_run_name, deployment_id, started_at FROM round_flow_runs"
-                         " WHERE run_id = ? AND round = ? ORDER BY started_at", [run_id, round])
+                         " WHERE run_id = ? AND round = ? ORDER BY started_at", [run_id, round_no])
 
-    def step_failed(self, run_id: str, round: int, step: str, started_at: datetime, error: str) -> None:
+    def step_failed(self, run_id: str, round_no: int, step: str, started_at: datetime, error: str) -> None:
         """Record the step's attempt as failed with `error`, for a failure outside its transaction (a step stopped
         by its timeout before it wrote anything). An attempt that recorded its own end keeps that record."""
-        key = [run_id, round, step]
+        key = [run_id, round_no, step]
 
         def write() -> None:
             if self._con.execute("SELECT 1 FROM steps WHERE run_id = ? AND round = ? AND step = ?"
@@ -669,18 +669,18 @@ class Store:
         else:
             write()
 
-    def round_status(self, run_id: str, round: int) -> str | None:
+    def round_status(self, run_id: str, round_no: int) -> str | None:
         """'running' or 'completed', or None if the round was never started."""
         rows = self._con.sql(
-            "SELECT status FROM rounds WHERE run_id = ? AND round = ?", params=[run_id, round]
+            "SELECT status FROM rounds WHERE run_id = ? AND round = ?", params=[run_id, round_no]
         ).fetchall()
         return rows[0][0] if rows else None
 
-    def completed_steps(self, run_id: str, round: int) -> set[str]:
+    def completed_steps(self, run_id: str, round_no: int) -> set[str]:
         """Names of the round's steps whose last attempt committed."""
         rows = self._con.sql(
             "SELECT step FROM steps WHERE run_id = ? AND round = ? AND status = 'completed'",
-            params=[run_id, round],
+            params=[run_id, round_no],
         ).fetchall()
         return {s for (s,) in rows}
 
@@ -801,7 +801,7 @@ class Store:
 
     # ---- export ---------------------------------------------------------------------------
 
-    def examples_dataset(self, run_id: str, round: int, method: str | None = None):
+    def examples_dataset(self, run_id: str, round_no: int, method: str | None = None):
         """The round's training examples as a `datasets.Dataset` (built from Arrow, no copy
         through Python objects): example_id, method, weight, source_traj_id, meta (JSON text), and
         messages as a list of {"role", "content"} dicts (other message keys are dropped)."""
@@ -812,14 +812,14 @@ class Store:
             " json_transform(messages, '[{\"role\": \"VARCHAR\", \"content\": \"VARCHAR\"}]') AS messages"
             " FROM examples WHERE run_id = ? AND round = ?"
         )
-        params: list = [run_id, round]
+        params: list = [run_id, round_no]
         if method is not None:
             sql += " AND method = ?"
             params.append(method)
         table = self._con.sql(sql + " ORDER BY method, example_id", params=params).to_arrow_table()
         return datasets.Dataset(table)
 
-    def export_parquet(self, run_id: str, round: int, folder: str | Path) -> dict[str, Path]:
+    def export_parquet(self, run_id: str, round_no: int, folder: str | Path) -> dict[str, Path]:
         """Write the round's trajectories, turns and examples to `folder/<table>.parquet`;
         return the paths by table name."""
         folder = Path(folder)
@@ -828,7 +828,7 @@ class Store:
         for table in ("trajectories", "turns", "examples"):
             path = folder / f"{table}.parquet"
             self._con.sql(
-                f"SELECT * FROM {table} WHERE run_id = ? AND round = ?", params=[run_id, round]
+                f"SELECT * FROM {table} WHERE run_id = ? AND round = ?", params=[run_id, round_no]
             ).write_parquet(str(path))
             paths[table] = path
         return paths
@@ -854,26 +854,26 @@ class Store:
                          json_cols=("train_metrics",))
         return (rows[0]["train_metrics"] or {}) if rows else {}
 
-    def step_tasks(self, run_id: str, round: int, step: str) -> list[dict]:
+    def step_tasks(self, run_id: str, round_no: int, step: str) -> list[dict]:
         """The tasks a step played: task_id, env, split, task_type, seed, spec (JSON text)."""
         return self.rows("SELECT task_id, env, split, task_type, seed, spec FROM tasks"
-                         " WHERE run_id = ? AND round = ? AND step = ? ORDER BY task_id", [run_id, round, step])
+                         " WHERE run_id = ? AND round = ? AND step = ? ORDER BY task_id", [run_id, round_no, step])
 
-    def step_trajectories(self, run_id: str, round: int, step: str) -> list[dict]:
+    def step_trajectories(self, run_id: str, round_no: int, step: str) -> list[dict]:
         """Every column of a step's trajectories, by traj_id, joined with their task's task_type."""
         return self.rows("SELECT t.*, k.task_type FROM trajectories t LEFT JOIN tasks k"
                          " ON k.task_id = t.task_id AND k.run_id = t.run_id AND k.round = t.round AND k.step = t.step"
                          " WHERE t.run_id = ? AND t.round = ? AND t.step = ? ORDER BY t.traj_id",
-                         [run_id, round, step])
+                         [run_id, round_no, step])
 
-    def step_turns(self, run_id: str, round: int, step: str) -> list[dict]:
+    def step_turns(self, run_id: str, round_no: int, step: str) -> list[dict]:
         """A step's turns in order (traj_id, turn_idx): observation as shown, executed action, the raw
         generated text when projection changed it, validity, the env's feedback, the sampled token ids and
         their logprobs (as sampled, and after temperature only)."""
         return self.rows("SELECT traj_id, turn_idx, observation, action_text, raw_text, valid, feedback, token_ids,"
                          " logprobs, temp_logprobs FROM turns"
                          " WHERE run_id = ? AND round = ? AND step = ? ORDER BY traj_id, turn_idx",
-                         [run_id, round, step])
+                         [run_id, round_no, step])
 
     def trajectory_actions(self, traj_ids: list[str]) -> dict[str, list[str]]:
         """The executed action texts of these trajectories, in turn order (traj_id -> actions)."""
@@ -892,12 +892,12 @@ class Store:
                          " WHERE run_id = ? AND model_id = ? AND purpose = 'eval' ORDER BY round DESC, traj_id",
                          [run_id, model_id])
 
-    def foresight_pairs(self, run_id: str, round: int) -> dict[str, dict]:
+    def foresight_pairs(self, run_id: str, round_no: int) -> dict[str, dict]:
         """The round's privileged-teacher pairs by foresight_id: student and teacher messages (parsed),
         train_from, the student's sampled completion ids and their sampling logprobs."""
         rows = self.rows("SELECT foresight_id, student_messages, teacher_messages, train_from, completion_ids,"
                          " sampling_logprobs FROM foresight WHERE run_id = ? AND round = ? AND step = 'distill'",
-                         [run_id, round], json_cols=("student_messages", "teacher_messages"))
+                         [run_id, round_no], json_cols=("student_messages", "teacher_messages"))
         return {r["foresight_id"]: r for r in rows}
 
     def xtree_corpus(self, run_id: str, first_round: int, last_round: int) -> list[dict]:
@@ -915,20 +915,20 @@ class Store:
                          " WHERE t.run_id = ? AND t.step = 'generate' AND t.round BETWEEN ? AND ?"
                          " GROUP BY ALL ORDER BY t.round, t.traj_id", [run_id, first_round, last_round])
 
-    def xtree_tree(self, run_id: str, round: int | None = None) -> dict | None:
+    def xtree_tree(self, run_id: str, round_no: int | None = None) -> dict | None:
         """The X-Tree a round mined (params parsed), or with round None the run's latest; None if there is none."""
         sql = "SELECT * FROM xtree_trees WHERE run_id = ?"
         params: list = [run_id]
-        if round is not None:
+        if round_no is not None:
             sql += " AND round = ?"
-            params.append(round)
+            params.append(round_no)
         rows = self.rows(sql + " ORDER BY round DESC LIMIT 1", params, json_cols=("params",))
         return rows[0] if rows else None
 
-    def xtree_latest_before(self, run_id: str, round: int) -> dict | None:
+    def xtree_latest_before(self, run_id: str, round_no: int) -> dict | None:
         """The run's newest X-Tree of a round before `round` (params parsed), or None."""
         rows = self.rows("SELECT * FROM xtree_trees WHERE run_id = ? AND round < ? ORDER BY round DESC LIMIT 1",
-                         [run_id, round], json_cols=("params",))
+                         [run_id, round_no], json_cols=("params",))
         return rows[0] if rows else None
 
     def xtree_nodes(self, tree_id: str) -> list[dict]:
@@ -936,17 +936,17 @@ class Store:
         return self.rows("SELECT * FROM xtree_nodes WHERE tree_id = ? ORDER BY node_idx", [tree_id],
                          json_cols=("task_types",))
 
-    def rsipo_library(self, run_id: str, round: int) -> list[dict]:
+    def rsipo_library(self, run_id: str, round_no: int) -> list[dict]:
         """RSIPO's skill library as it stood after the run's newest round before `round` (every skill written so
         far, active or retired, with its tests parsed), by skill_id; [] before the first."""
         return self.rows("SELECT * FROM rsipo_library WHERE run_id = ? AND round = (SELECT max(round)"
                          " FROM rsipo_library WHERE run_id = ? AND round < ?) ORDER BY skill_id",
-                         [run_id, run_id, round], json_cols=("tests",))
+                         [run_id, run_id, round_no], json_cols=("tests",))
 
-    def rsipo_skills(self, run_id: str, round: int) -> dict[str, dict]:
+    def rsipo_skills(self, run_id: str, round_no: int) -> dict[str, dict]:
         """The skills RSIPO wrote in a round (prompt parsed), by skill_id."""
         rows = self.rows("SELECT * FROM rsipo_skills WHERE run_id = ? AND round = ? AND step = 'distill'",
-                         [run_id, round], json_cols=("prompt",))
+                         [run_id, round_no], json_cols=("prompt",))
         return {r["skill_id"]: r for r in rows}
 
     def base_model(self, run_id: str) -> str | None:
@@ -955,12 +955,12 @@ class Store:
                          [run_id])
         return rows[0]["model_id"] if rows else None
 
-    def mass_retained_workflow(self, run_id: str, round: int) -> dict | None:
+    def mass_retained_workflow(self, run_id: str, round_no: int) -> dict | None:
         """MASS: the workflow retained by the run's newest round before `round` that retained one other than the
         reference (workflow_id, round, version, spec parsed), or None."""
         rows = self.rows("SELECT workflow_id, round, version, spec FROM mass_workflows WHERE run_id = ? AND round < ?"
                          " AND retained AND version >= 0 AND step = 'distill' ORDER BY round DESC LIMIT 1",
-                         [run_id, round], json_cols=("spec",))
+                         [run_id, round_no], json_cols=("spec",))
         return rows[0] if rows else None
 
     def latest_heldout(self, run_id: str, model_id: str | None, split: str = "heldout") -> dict | None:
@@ -974,28 +974,29 @@ class Store:
                          " ORDER BY round DESC LIMIT 1", [run_id, model_id, split])
         return rows[0] if rows else None
 
-    def projected_share(self, run_id: str, round: int) -> float | None:
+    def projected_share(self, run_id: str, round_no: int) -> float | None:
         """Share of the round's generated actions that projection replaced (None without turns)."""
         return self._con.execute("SELECT avg(CASE WHEN raw_text IS NULL THEN 0 ELSE 1 END) FROM turns"
                                  " WHERE run_id = ? AND round = ? AND step = 'generate'",
-                                 [run_id, round]).fetchall()[0][0]
+                                 [run_id, round_no]).fetchall()[0][0]
 
-    def count_examples(self, run_id: str, round: int) -> int:
+    def count_examples(self, run_id: str, round_no: int) -> int:
         """Training examples the round's distill step wrote (all methods)."""
         return self._con.execute("SELECT count(*) FROM examples WHERE run_id = ? AND round = ?",
-                                 [run_id, round]).fetchall()[0][0]
+                                 [run_id, round_no]).fetchall()[0][0]
 
-    def step_seconds(self, run_id: str, round: int) -> dict[str, float]:
+    def step_seconds(self, run_id: str, round_no: int) -> dict[str, float]:
         """Wall seconds of each completed step of the round."""
         rows = self._con.execute("SELECT step, epoch(finished_at - started_at) FROM steps"
-                                 " WHERE run_id = ? AND round = ? AND status = 'completed'", [run_id, round]).fetchall()
+                                 " WHERE run_id = ? AND round = ? AND status = 'completed'",
+                                 [run_id, round_no]).fetchall()
         return {step: float(s) for step, s in rows}
 
-    def step_metrics(self, run_id: str, round: int, step: str) -> dict | None:
+    def step_metrics(self, run_id: str, round_no: int, step: str) -> dict | None:
         """What a completed step recorded about itself (`StepWriter.metrics`), or None."""
         rows = self.rows("SELECT metrics FROM steps"
                          " WHERE run_id = ? AND round = ? AND step = ? AND status = 'completed'",
-                         [run_id, round, step], json_cols=("metrics",))
+                         [run_id, round_no, step], json_cols=("metrics",))
         return rows[0]["metrics"] if rows else None
 
     def completed_step_metrics(self, step: str) -> list[dict]:
@@ -1096,7 +1097,7 @@ class Store:
 
     # ---- replay buffer (train step) -----------------------------------------------------------
 
-    def examples_before(self, run_id: str, round: int, method: str, first_round: int | None = None) -> list[dict]:
+    def examples_before(self, run_id: str, round_no: int, method: str, first_round: int | None = None) -> list[dict]:
         """A method's examples of the run's rounds before `round` (from `first_round` on; None = every earlier
         round), newest round first (then by example_id): example_id, round, method, weight, source_traj_id, meta
         (parsed), messages (role/content dicts, as `examples_dataset` gives them) and the source trajectory's
@@ -1105,7 +1106,7 @@ class Store:
                " CAST(e.messages AS VARCHAR) AS messages, t.task_id"
                " FROM examples e LEFT JOIN trajectories t ON t.traj_id = e.source_traj_id AND t.run_id = e.run_id"
                " WHERE e.run_id = ? AND e.method = ? AND e.round < ?")
-        params: list = [run_id, method, round]
+        params: list = [run_id, method, round_no]
         if first_round is not None:
             sql += " AND e.round >= ?"
             params.append(first_round)
@@ -1114,10 +1115,10 @@ class Store:
             r["messages"] = [{"role": m.get("role"), "content": m.get("content")} for m in r["messages"] or []]
         return rows
 
-    def example_task_ids(self, run_id: str, round: int) -> dict[str, str | None]:
+    def example_task_ids(self, run_id: str, round_no: int) -> dict[str, str | None]:
         """The task of each example of the round (example_id -> its source trajectory's task_id, None when the
         trajectory is not in the store)."""
         rows = self.rows("SELECT e.example_id, t.task_id FROM examples e LEFT JOIN trajectories t"
                          " ON t.traj_id = e.source_traj_id AND t.run_id = e.run_id"
-                         " WHERE e.run_id = ? AND e.round = ?", [run_id, round])
+                         " WHERE e.run_id = ? AND e.round = ?", [run_id, round_no])
         return {r["example_id"]: r["task_id"] for r in rows}

@@ -72,8 +72,8 @@ def sampling(cfg: Config, temperature: float, seed: int, temp_logprobs: bool = T
                           top_p=cfg.backend.top_p if temperature > 0 else 1.0, seed=seed, temp_logprobs=temp_logprobs)
 
 
-def round_seed(cfg: Config, round: int, salt: int = 0) -> int:
-    return (cfg.run.seed * 1_000_003 + round * 7919 + salt) % (2**31)
+def round_seed(cfg: Config, round_no: int, salt: int = 0) -> int:
+    return (cfg.run.seed * 1_000_003 + round_no * 7919 + salt) % (2**31)
 
 
 def episode_rows(episodes: list[Episode], model_id: str, purpose: str) -> tuple[list[dict], list[dict]]:
@@ -188,14 +188,14 @@ def play(cfg: Config, backend, episodes: list[Episode], temperature: float, seed
         bar.close()
 
 
-def trajectories_with_turns(store: Store, run_id: str, round: int, step: str, prefix: list[dict],
+def trajectories_with_turns(store: Store, run_id: str, round_no: int, step: str, prefix: list[dict],
                             tools: list[dict] | None = None) -> list[dict]:
     """The step's trajectories, each with `messages` (the conversation rebuilt from the prompt prefix
     and its turns), `turns` (the stored turn rows: sampled token ids and logprobs), `train_from` (where
     the episode's own messages start) and `tools`."""
-    trajs = store.step_trajectories(run_id, round, step)
+    trajs = store.step_trajectories(run_id, round_no, step)
     by_traj: dict[str, list[dict]] = {}
-    for t in store.step_turns(run_id, round, step):
+    for t in store.step_turns(run_id, round_no, step):
         by_traj.setdefault(t["traj_id"], []).append(t)
     for t in trajs:
         t["turns"] = by_traj.get(t["traj_id"], [])

@@ -35,7 +35,7 @@ def gate_facts(decision: dict) -> dict:
     return facts
 
 
-def expire_checkpoints(cfg: Config, round: int, expired: list[dict]) -> tuple[list[dict], list[str]]:
+def expire_checkpoints(cfg: Config, round_no: int, expired: list[dict]) -> tuple[list[dict], list[str]]:
     """Delete the folders of `expired` checkpoints (`Store.expired_checkpoints`) that lie under the run's models
     folder. Returns their `deleted_checkpoints` rows (a folder already gone, after a rerun, is recorded too) and
     the paths left alone because they are elsewhere (e.g. written under an earlier run.run_dir)."""
@@ -50,21 +50,21 @@ def expire_checkpoints(cfg: Config, round: int, expired: list[dict]) -> tuple[li
         if path.exists():
             size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
             shutil.rmtree(path)
-        rows.append({"model_id": m["model_id"], "run_id": cfg.run.name, "round": round, "path": str(path),
+        rows.append({"model_id": m["model_id"], "run_id": cfg.run.name, "round": round_no, "path": str(path),
                      "bytes": size, "deleted_at": utcnow(),
                      "reason": f"rejected in round {m['round']}; train.keep_candidates={cfg.train.keep_candidates}"})
     return rows, elsewhere
 
 
 @task(name="deploy", cache_policy=NONE)
-def redeploy(cfg: Config, round: int) -> dict:
+def redeploy(cfg: Config, round_no: int) -> dict:
     started = utcnow()
     run_id = cfg.run.name
     champion, path = serving_champion(cfg)
-    cid = candidate_id(cfg, round)
+    cid = candidate_id(cfg, round_no)
     with open_store(cfg) as store:
         before = store.promotion_history(run_id)
-        served = [d for d in before if d["round"] == round]
+        served = [d for d in before if d["round"] == round_no]
         previous = served[-1]["champion_id"] if served else champion
         previous_path = store.model_path(previous)
         candidate_path = store.model_path(cid) if store.has_model(cid) else None
@@ -72,16 +72,16 @@ def redeploy(cfg: Config, round: int) -> dict:
     record = redeploy_backend(cfg, previous_path, path)
     if candidate_path and served and Path(candidate_path, "README.md").is_file():
         update_model_card(candidate_path, gate=gate_facts(served[-1]))
-    deleted, elsewhere = expire_checkpoints(cfg, round, expired)
+    deleted, elsewhere = expire_checkpoints(cfg, round_no, expired)
     for path in elsewhere:
         get_run_logger().warning("retention: %s is not under this run's models folder; not deleting it", path)
     with open_store(cfg) as store:
         rows = round_rows(store, run_id)
-        this = {r["round"]: r for r in rows}.get(round, {})
-        with store.step(run_id, round, "deploy", started) as tx:
+        this = {r["round"]: r for r in rows}.get(round_no, {})
+        with store.step(run_id, round_no, "deploy", started) as tx:
             tx.insert("deleted_checkpoints", deleted)
             tx.metrics({"redeploy": record, "deleted_checkpoints": [d["model_id"] for d in deleted]})
-            store.finish_round(run_id, round, champion, {**this, "redeploy": record})
+            store.finish_round(run_id, round_no, champion, {**this, "redeploy": record})
         md_path, png, md = write_report(store, run_id, run_dir(cfg) / "report", rows)
     key = re.sub(r"[^a-z0-9-]", "-", f"rsiflow-{run_id}".lower())
     history = heldout_line(rows)
@@ -95,7 +95,7 @@ def redeploy(cfg: Config, round: int) -> dict:
                              description=f"rsiflow run {run_id}: every round's decision and serving model")
     freed = sum(d["bytes"] or 0 for d in deleted) / 1e6
     get_run_logger().info("round %d deploy: %s serves from now on (%s: %s); held-out: %s; retention deleted %d "
-                          "rejected checkpoint(s), %.1f MB; report %s", round, champion, record.get("kind"),
+                          "rejected checkpoint(s), %.1f MB; report %s", round_no, champion, record.get("kind"),
                           record.get("action"), history, len(deleted), freed, md_path)
     return {"champion": champion, "path": path, "report": str(md_path), "plot": str(png),
             "deleted_checkpoints": [d["model_id"] for d in deleted]}

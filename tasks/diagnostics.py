@@ -68,24 +68,24 @@ def heldout_kl(cfg, plays, candidate: str, candidate_path: str, champion_path: s
             "max": float(kls.max()) if kls.numel() else None}
 
 
-def train_task_replay(cfg, round: int, candidate_path: str, champion_path: str, n: int) -> dict:
+def train_task_replay(cfg, round_no: int, candidate_path: str, champion_path: str, n: int) -> dict:
     """Candidate vs champion on the round's first n training tasks: sampled (group_size plays, generate's seed;
     the champion's are its stored rollouts) and greedy (one play each, gate.seed)."""
     run_id, group = cfg.run.name, cfg.generate.group_size
     env = env_factory(cfg)()
     try:
-        tasks = env.sample_tasks("train", cfg.generate.tasks_per_round, round_seed(cfg, round))[:n]
+        tasks = env.sample_tasks("train", cfg.generate.tasks_per_round, round_seed(cfg, round_no))[:n]
     finally:
         env.close()
     with open_store(cfg) as store:
-        generated = {t["traj_id"]: t for t in store.step_trajectories(run_id, round, "generate")}
-    champion_sampled = [sum(bool(generated.get(f"{run_id}/r{round}/gen/{ti:04d}-{g:02d}", {}).get("success"))
+        generated = {t["traj_id"]: t for t in store.step_trajectories(run_id, round_no, "generate")}
+    champion_sampled = [sum(bool(generated.get(f"{run_id}/r{round_no}/gen/{ti:04d}-{g:02d}", {}).get("success"))
                             for g in range(group)) for ti in range(len(tasks))]
     sampled = [Episode(traj_id=f"diag-{ti}-{g}", task=t, group_id=t.task_id, sample_idx=g)
                for ti, t in enumerate(tasks) for g in range(group)]
     candidate = backend_for(cfg, candidate_path)
-    play(cfg, candidate, sampled, cfg.backend.temperature, round_seed(cfg, round),
-         f"round {round} diagnostics: candidate on {len(tasks)} training tasks x {group}", False)
+    play(cfg, candidate, sampled, cfg.backend.temperature, round_seed(cfg, round_no),
+         f"round {round_no} diagnostics: candidate on {len(tasks)} training tasks x {group}", False)
     candidate_sampled = [sum(bool(e.success) for e in sampled[ti * group:(ti + 1) * group])
                          for ti in range(len(tasks))]
     greedy = {}
@@ -93,7 +93,7 @@ def train_task_replay(cfg, round: int, candidate_path: str, champion_path: str, 
         eps = [Episode(traj_id=f"diag-greedy-{ti}", task=t, group_id=t.task_id, sample_idx=0)
                for ti, t in enumerate(tasks)]
         play(cfg, backend_for(cfg, path), eps, 0.0, cfg.gate.seed,
-             f"round {round} diagnostics: {role} greedy on {len(tasks)} training tasks", False)
+             f"round {round_no} diagnostics: {role} greedy on {len(tasks)} training tasks", False)
         greedy[role] = [int(bool(e.success)) for e in eps]
     plays = len(tasks) * group
     diffs = [c - h for c, h in zip(candidate_sampled, champion_sampled)]
@@ -107,7 +107,7 @@ def train_task_replay(cfg, round: int, candidate_path: str, champion_path: str, 
             "greedy_losses": sum(c < h for c, h in zip(greedy["candidate"], greedy["champion"]))}
 
 
-def learning_diagnostics(cfg, round: int, candidate: str, candidate_path: str, champion: str, champion_path: str,
+def learning_diagnostics(cfg, round_no: int, candidate: str, candidate_path: str, champion: str, champion_path: str,
                          plays, n: int) -> dict:
     """The round's diagnostics (module docstring) as one JSON-ready dict."""
     d = cfg.diagnostics
@@ -115,7 +115,7 @@ def learning_diagnostics(cfg, round: int, candidate: str, candidate_path: str, c
     if d.kl_tasks:
         out["kl"] = heldout_kl(cfg, plays, candidate, candidate_path, champion_path, min(d.kl_tasks, n))
     if d.train_tasks:
-        out["train_tasks"] = train_task_replay(cfg, round, candidate_path, champion_path,
+        out["train_tasks"] = train_task_replay(cfg, round_no, candidate_path, champion_path,
                                                min(d.train_tasks, cfg.generate.tasks_per_round))
     return _finite(out)
 

@@ -16,19 +16,19 @@ from rsiflow.tasks.methods import DistillContext, enabled_methods
 
 
 @task(name="distill", cache_policy=NONE)
-def distill_examples(cfg: Config, round: int) -> dict:
+def distill_examples(cfg: Config, round_no: int) -> dict:
     started = utcnow()
     run_id = cfg.run.name
     prefix, tools = prompt_setup(cfg)
     methods = enabled_methods(cfg)
     with open_store(cfg) as store:
         champion = store.champion(run_id)
-        ctx = DistillContext(cfg=cfg, round=round, champion=champion, champion_path=store.model_path(champion),
-                             trajectories=trajectories_with_turns(store, run_id, round, "generate", prefix, tools),
+        ctx = DistillContext(cfg=cfg, round=round_no, champion=champion, champion_path=store.model_path(champion),
+                             trajectories=trajectories_with_turns(store, run_id, round_no, "generate", prefix, tools),
                              prefix=prefix, tools=tools)
         inputs = {m.name: m.read(store, ctx) for m in methods}
     contributions = {m.name: m.distill(ctx, inputs[m.name]) for m in methods}
-    with open_store(cfg) as store, store.step(run_id, round, "distill", started) as tx:
+    with open_store(cfg) as store, store.step(run_id, round_no, "distill", started) as tx:
         for m in methods:
             c = contributions[m.name]
             unknown = set(c.tables) - set(m.tables)
@@ -39,7 +39,7 @@ def distill_examples(cfg: Config, round: int) -> dict:
                 tx.insert(table, rows)
         tx.metrics({name: c.metrics for name, c in contributions.items()})
     counts = {name: len(c.examples) for name, c in contributions.items()}
-    get_run_logger().info("round %d distill: %d training examples from %d trajectories (%s)", round,
+    get_run_logger().info("round %d distill: %d training examples from %d trajectories (%s)", round_no,
                           sum(counts.values()), len(ctx.trajectories),
                           ", ".join(f"{name} {n}" for name, n in counts.items()))
     return {"examples": counts, "metrics": {name: c.metrics for name, c in contributions.items()}}

@@ -28,21 +28,21 @@ def success_rows(rows: list[dict], model_id: str, split: str, env: str, confiden
 
 
 @task(name="evaluate", cache_policy=NONE)
-def evaluate_rollouts(cfg: Config, round: int) -> dict:
+def evaluate_rollouts(cfg: Config, round_no: int) -> dict:
     started = utcnow()
     run_id = cfg.run.name
     with open_store(cfg) as store:
-        rows = store.step_trajectories(run_id, round, "generate")
+        rows = store.step_trajectories(run_id, round_no, "generate")
         if not rows:
-            raise RuntimeError(f"round {round} of run {run_id!r} has no generated trajectories to evaluate")
+            raise RuntimeError(f"round {round_no} of run {run_id!r} has no generated trajectories to evaluate")
         counts = group_counts(group_stats(rows))
         evals = success_rows(rows, rows[0]["model_id"], "train", cfg.env.name, cfg.gate.confidence,
-                             f"{run_id}/r{round}/evaluate")
-        with store.step(run_id, round, "evaluate", started) as tx:
+                             f"{run_id}/r{round_no}/evaluate")
+        with store.step(run_id, round_no, "evaluate", started) as tx:
             tx.insert("evaluations", evals)
     total = next(e for e in evals if e["task_type"] == "*")
     get_run_logger().info(
         "round %d evaluate: %d groups: %d all-fail, %d all-pass, %d mixed; champion's train success %d/%d "
-        "[%.2f, %.2f]", round, counts["groups"], counts["all_fail"], counts["all_pass"], counts["mixed"],
+        "[%.2f, %.2f]", round_no, counts["groups"], counts["all_fail"], counts["all_pass"], counts["mixed"],
         total["successes"], total["n"], total["ci_low"], total["ci_high"])
     return counts

@@ -62,12 +62,12 @@ def final_test(cfg: Config) -> dict:
         raise ValueError("gate.test_tasks: the env's held-out split has no task outside the gate's sample")
     key = play_key(cfg, tasks)
     with open_store(cfg) as store:
-        round = max(store.last_completed_round(run_id), 0)
+        round_no = max(store.last_completed_round(run_id), 0)
         base, champion = store.base_model(run_id), store.champion(run_id)
         paths = {m: store.model_path(m) for m in dict.fromkeys((base, champion))}
         known = {m: _stored_outcomes(store, key, p) for m, p in paths.items()}
     tags = {base: "base", champion: "champion"} if champion != base else {base: "base"}
-    plays = HeldoutPlays(cfg, tasks, paths, tags, f"{run_id}/r{round}/test", g.test_seed,
+    plays = HeldoutPlays(cfg, tasks, paths, tags, f"{run_id}/r{round_no}/test", g.test_seed,
                          {m: sample_seed(g.test_seed, 0, tags[m]) for m in paths}, g.samples,
                          f"final test ({len(tasks)} tasks)")
     n = len(tasks)
@@ -83,7 +83,7 @@ def final_test(cfg: Config) -> dict:
     outcomes = {tags[m]: {"greedy": [int(bool(plays.greedy[m][i]["success"])) for i in range(n)],
                           "sampled": [plays.sampled[m][i]["successes"] for i in range(n)] if g.samples else None}
                 for m in paths}
-    result = {"round": round, "tasks": n, "requested": g.test_tasks, "seed": g.test_seed, "base_id": base,
+    result = {"round": round_no, "tasks": n, "requested": g.test_tasks, "seed": g.test_seed, "base_id": base,
               "champion_id": champion, "models": {tags[m]: plays.summary(m, n) for m in paths},
               "play_key": key, "paths": {tags[m]: p for m, p in paths.items()}, "outcomes": outcomes,
               "reused": sorted(tags[m] for m, o in known.items() if o is not None)}
@@ -94,8 +94,8 @@ def final_test(cfg: Config) -> dict:
             paired["sampled"] = paired_figures(compare(*plays.outcomes("sampled", champion, base, n), "paired_test",
                                                        g.confidence, g.samples), g.alpha)
         result["champion_vs_base"] = paired
-    rows = plays.rows(n, "test", f"{run_id}/r{round}/test")
-    with open_store(cfg) as store, store.step(run_id, round, "test", started) as tx:
+    rows = plays.rows(n, "test", f"{run_id}/r{round_no}/test")
+    with open_store(cfg) as store, store.step(run_id, round_no, "test", started) as tx:
         tx.insert("tasks", [t.to_row() for t in tasks])
         for table in ("trajectories", "turns", "evaluations"):
             tx.insert(table, rows[table])
@@ -105,8 +105,8 @@ def final_test(cfg: Config) -> dict:
 
 def stored_final_test(store, run_id: str) -> dict | None:
     """The run's newest stored final test (the figures `final_test` returned), or None."""
-    for round in range(store.last_completed_round(run_id), -1, -1):
-        found = (store.step_metrics(run_id, round, "test") or {}).get("final_test")
+    for round_no in range(store.last_completed_round(run_id), -1, -1):
+        found = (store.step_metrics(run_id, round_no, "test") or {}).get("final_test")
         if found:
             return found
     return None

@@ -80,11 +80,11 @@ def heldout_tasks(cfg: Config) -> list[TaskSpec]:
         env.close()
 
 
-def sample_seed(base: int, round: int, role: str) -> int:
+def sample_seed(base: int, round_no: int, role: str) -> int:
     """The seed of a model's sampled held-out plays in a round: candidate and champion differ (independent plays,
     which the sign-flip test's bound needs) and both change every round (a fresh sample, not the one a past
     decision was made on)."""
-    return (base * 1_000_003 + round * 7919 + {"candidate": 1, "champion": 2, "base": 3}[role]) % (2**31)
+    return (base * 1_000_003 + round_no * 7919 + {"candidate": 1, "champion": 2, "base": 3}[role]) % (2**31)
 
 
 def _stored_results(store, run_id: str, model_id: str, task_ids: list[str]) -> dict[str, dict]:
@@ -96,7 +96,7 @@ def _stored_results(store, run_id: str, model_id: str, task_ids: list[str]) -> d
     return found
 
 
-def gate_event(run_id: str, round: int, decision: str, candidate: str | None, champion: str,
+def gate_event(run_id: str, round_no: int, decision: str, candidate: str | None, champion: str,
                new_champion: str, payload: dict) -> dict:
     """The keyword arguments of `emit_event` for one gate decision: the event `rsiflow.gate.<decision>`
     about the resource `rsiflow.run.<run>`, the models as related resources, the figures as payload."""
@@ -106,7 +106,7 @@ def gate_event(run_id: str, round: int, decision: str, candidate: str | None, ch
     return {"event": f"rsiflow.gate.{decision}",
             "resource": {"prefect.resource.id": f"rsiflow.run.{run_id}", "prefect.resource.name": run_id},
             "related": related,
-            "payload": {"run": run_id, "round": round, "decision": decision, "candidate_id": candidate,
+            "payload": {"run": run_id, "round": round_no, "decision": decision, "candidate_id": candidate,
                         "champion_id": champion, "new_champion_id": new_champion, **payload}}
 
 
@@ -264,7 +264,7 @@ def paired_figures(ev, alpha: float) -> dict:
 
 
 @task(name="gate", cache_policy=NONE)
-def gate_candidate(cfg: Config, round: int) -> dict:
+def gate_candidate(cfg: Config, round_no: int) -> dict:
     started = utcnow()
     run_id = cfg.run.name
     g = cfg.gate
@@ -273,11 +273,11 @@ def gate_candidate(cfg: Config, round: int) -> dict:
     if len(tasks) < sizes[-1]:
         raise ValueError(f"gate.heldout_tasks: the env's held-out split has {len(tasks)} distinct tasks, fewer than "
                          f"the {sizes[-1]} the gate needs; lower gate.heldout_tasks (or gate.max_heldout_tasks)")
-    cid = candidate_id(cfg, round)
+    cid = candidate_id(cfg, round_no)
     with open_store(cfg) as store:
         champion = store.champion(run_id)
         trained = store.has_model(cid)
-        why_not = (store.step_metrics(run_id, round, "train") or {}).get("skipped") or "no training examples"
+        why_not = (store.step_metrics(run_id, round_no, "train") or {}).get("skipped") or "no training examples"
         paths = {m: store.model_path(m) for m in ((cid, champion) if trained else (champion,))}
         stored = _stored_results(store, run_id, champion, [t.task_id for t in tasks])
         stored_actions = store.trajectory_actions([r["traj_id"] for r in stored.values()])
@@ -285,8 +285,8 @@ def gate_candidate(cfg: Config, round: int) -> dict:
         base_path = store.model_path(base)
 
     tag = {cid: "candidate", champion: "champion"}
-    plays = HeldoutPlays(cfg, tasks, paths, tag, f"{run_id}/r{round}/gate", g.seed,
-                         {m: sample_seed(g.seed, round, tag[m]) for m in paths}, g.samples, f"round {round} gate")
+    plays = HeldoutPlays(cfg, tasks, paths, tag, f"{run_id}/r{round_no}/gate", g.seed,
+                         {m: sample_seed(g.seed, round_no, tag[m]) for m in paths}, g.samples, f"round {round_no} gate")
     # the champion's greedy results on the same tasks and seed, reused where the store has them
     plays.greedy[champion] = {i: {**stored[t.task_id], "task_type": t.task_type,
                                   "actions": stored_actions.get(stored[t.task_id]["traj_id"], [])}
@@ -340,17 +340,17 @@ def gate_candidate(cfg: Config, round: int) -> dict:
     # each enabled method's own assessment of the candidate (e.g. MASS: win rate against the base, self-judged)
     assessed = {}
     if trained:
-        actx = AssessContext(cfg=cfg, round=round, candidate=cid, candidate_path=paths[cid], champion=champion,
+        actx = AssessContext(cfg=cfg, round=round_no, candidate=cid, candidate_path=paths[cid], champion=champion,
                              champion_path=paths[champion], base=base, base_path=base_path, heldout=tasks)
         assessed = {m.name: (m, c) for m in enabled_methods(cfg) if (c := m.assess(actx)) is not None}
         if cfg.diagnostics.enabled:
             from rsiflow.tasks.diagnostics import learning_diagnostics
 
-            metrics["diagnostics"] = learning_diagnostics(cfg, round, cid, paths[cid], champion, paths[champion],
+            metrics["diagnostics"] = learning_diagnostics(cfg, round_no, cid, paths[cid], champion, paths[champion],
                                                           plays, n)
 
-    rows = plays.rows(n, "heldout", f"{run_id}/r{round}/gate")
-    with open_store(cfg) as store, store.step(run_id, round, "gate", started) as tx:
+    rows = plays.rows(n, "heldout", f"{run_id}/r{round_no}/gate")
+    with open_store(cfg) as store, store.step(run_id, round_no, "gate", started) as tx:
         tx.insert("tasks", [t.to_row() for t in tasks[:n]])
         for table in ("trajectories", "turns", "evaluations"):
             tx.insert(table, rows[table])
@@ -369,7 +369,7 @@ def gate_candidate(cfg: Config, round: int) -> dict:
         if assessed or metrics:
             tx.metrics({**{name: c.metrics for name, (_, c) in assessed.items()}, **metrics})
     logger = get_run_logger()
-    logger.info("round %d gate: %s", round, line)
-    emit_gate_event(gate_event(run_id, round, decision, cid if trained else None, champion, new_champion,
+    logger.info("round %d gate: %s", round_no, line)
+    emit_gate_event(gate_event(run_id, round_no, decision, cid if trained else None, champion, new_champion,
                                {"rule": g.rule, **summary}), logger)
     return summary

@@ -43,22 +43,22 @@ def train_tasks(cfg: Config, seed: int) -> list[TaskSpec]:
 
 
 @task(name="generate", cache_policy=NONE)
-def generate_rollouts(cfg: Config, round: int) -> dict:
+def generate_rollouts(cfg: Config, round_no: int) -> dict:
     started = utcnow()
     run_id = cfg.run.name
     champion, path = serving_champion(cfg)
-    seed = round_seed(cfg, round)
+    seed = round_seed(cfg, round_no)
     task_specs = train_tasks(cfg, seed)   # refuses repeated task ids before anything is played or written
     episodes = [
-        Episode(traj_id=f"{run_id}/r{round}/gen/{ti:04d}-{g:02d}", task=t, group_id=f"{run_id}/r{round}/{t.task_id}",
-                sample_idx=g)
+        Episode(traj_id=f"{run_id}/r{round_no}/gen/{ti:04d}-{g:02d}", task=t,
+                group_id=f"{run_id}/r{round_no}/{t.task_id}", sample_idx=g)
         for ti, t in enumerate(task_specs) for g in range(cfg.generate.group_size)
     ]
     backend = backend_for(cfg, path)
-    play(cfg, backend, episodes, cfg.backend.temperature, seed, f"round {round} generate",
+    play(cfg, backend, episodes, cfg.backend.temperature, seed, f"round {round_no} generate",
          temp_logprobs=needs_temp_logprobs(cfg))
     trajs, turns = episode_rows(episodes, champion, "train")
-    with open_store(cfg) as store, store.step(run_id, round, "generate", started) as tx:
+    with open_store(cfg) as store, store.step(run_id, round_no, "generate", started) as tx:
         tx.insert("tasks", [t.to_row() for t in task_specs])
         tx.insert("trajectories", trajs)
         tx.insert("turns", turns)
@@ -68,7 +68,7 @@ def generate_rollouts(cfg: Config, round: int) -> dict:
     seconds = (utcnow() - started).total_seconds()
     get_run_logger().info(
         "round %d generate: %s played %d tasks x %d rollouts = %d episodes: %d succeeded, %d errors; "
-        "%d tokens in %.0f s (%.1f tokens/s)", round, champion, len(task_specs), cfg.generate.group_size,
+        "%d tokens in %.0f s (%.1f tokens/s)", round_no, champion, len(task_specs), cfg.generate.group_size,
         summary["episodes"], summary["successes"], summary["errors"], summary["gen_tokens"], seconds,
         summary["gen_tokens"] / max(seconds, 1e-9))
     return summary

@@ -23,8 +23,8 @@ from rsiflow.tasks.common import StepProgress, open_store, round_seed, run_dir, 
 from rsiflow.tasks.methods import enabled_methods
 
 
-def candidate_id(cfg: Config, round: int) -> str:
-    return f"{cfg.run.name}/r{round}/candidate"
+def candidate_id(cfg: Config, round_no: int) -> str:
+    return f"{cfg.run.name}/r{round_no}/candidate"
 
 
 def _one_loss(methods, kind: str):
@@ -72,7 +72,8 @@ def select_replay(current: list[dict], earlier: list[dict], per_task: int | None
     return kept, counts
 
 
-def replay_buffer(store, cfg: Config, methods, round: int, examples: list[dict]) -> tuple[dict[str, list[dict]], dict]:
+def replay_buffer(store, cfg: Config, methods, round_no: int,
+                  examples: list[dict]) -> tuple[dict[str, list[dict]], dict]:
     """train.replay: each enabled `replayable` method's examples of earlier rounds that join this round's `examples`
     (by method name), and the counts {"selected", "dropped_duplicates", "dropped_cap"}. Off (rounds 0): none."""
     r = cfg.train.replay
@@ -80,14 +81,14 @@ def replay_buffer(store, cfg: Config, methods, round: int, examples: list[dict])
     if r.rounds == 0:
         return {}, counts
     run_id = cfg.run.name
-    first = None if r.rounds is None else round - r.rounds
-    tasks = store.example_task_ids(run_id, round)
+    first = None if r.rounds is None else round_no - r.rounds
+    tasks = store.example_task_ids(run_id, round_no)
     out = {}
     for m in methods:
         if not m.replayable:
             continue
         current = [{**e, "task_id": tasks.get(e["example_id"])} for e in examples if e["method"] == m.name]
-        kept, c = select_replay(current, store.examples_before(run_id, round, m.name, first), r.per_task, r.dedupe)
+        kept, c = select_replay(current, store.examples_before(run_id, round_no, m.name, first), r.per_task, r.dedupe)
         out[m.name] = kept
         counts["selected"] += len(kept)
         counts["dropped_duplicates"] += c["dropped_duplicates"]
@@ -105,17 +106,17 @@ def _replay_metrics(counts: dict, replay_round: dict[str, int], used_ids: list[s
             "buffer_examples": len(used_ids)}
 
 
-def _skip(cfg: Config, round: int, started, metrics: dict, why: str) -> dict:
+def _skip(cfg: Config, round_no: int, started, metrics: dict, why: str) -> dict:
     """Nothing to learn from: a candidate would be a copy of the champion. None is registered, and the gate
     records a 'skip'."""
-    with open_store(cfg) as store, store.step(cfg.run.name, round, "train", started) as tx:
+    with open_store(cfg) as store, store.step(cfg.run.name, round_no, "train", started) as tx:
         tx.metrics({"skipped": why})   # the gate's record of the skip names it
-    get_run_logger().info("round %d train: skipped, %s", round, why)
+    get_run_logger().info("round %d train: skipped, %s", round_no, why)
     return {**metrics, "skipped": why}
 
 
 @task(name="train", cache_policy=NONE)
-def train_round(cfg: Config, round: int) -> dict:
+def train_round(cfg: Config, round_no: int) -> dict:
     started = utcnow()
     from tqdm.auto import tqdm
 
@@ -135,37 +136,38 @@ def train_round(cfg: Config, round: int) -> dict:
         parent_path = store.model_path(parent)
         base = store.base_model(run_id)   # the β-KL reference of distill.grpo.reference base (ignored otherwise)
         reference_path = store.model_path(base) if base is not None else None
-        examples = [{**e, "meta": json.loads(e["meta"] or "{}")} for e in store.examples_dataset(run_id, round)]
-        replayed, replay_counts = replay_buffer(store, cfg, methods, round, examples)
+        examples = [{**e, "meta": json.loads(e["meta"] or "{}")} for e in store.examples_dataset(run_id, round_no)]
+        replayed, replay_counts = replay_buffer(store, cfg, methods, round_no, examples)
         for m in methods:
-            rows += m.training_rows(store, run_id, round,
+            rows += m.training_rows(store, run_id, round_no,
                                     [e for e in examples if e["method"] == m.name] + replayed.get(m.name, []))
     replay_round = {e["example_id"]: e["round"] for es in replayed.values() for e in es}
-    out_dir = run_dir(cfg) / "models" / f"round-{round}-candidate"
+    out_dir = run_dir(cfg) / "models" / f"round-{round_no}-candidate"
     if out_dir.exists():  # a rerun after a crash: train again from the parent
         shutil.rmtree(out_dir)
     if not rows:
-        return _skip(cfg, round, started, {"examples": 0, "replay": _replay_metrics(replay_counts, replay_round, [])},
+        return _skip(cfg, round_no, started,
+                     {"examples": 0, "replay": _replay_metrics(replay_counts, replay_round, [])},
                      "no training examples this round")
     lr = cfg.train.resolved_learning_rate(policy_gradient=any(r.get("kind") == "pg" for r in rows))
     train_cfg = cfg.train.model_copy(update={"learning_rate": lr})
-    bar = tqdm(desc=f"round {round} train", unit="step", leave=False)
-    ui = StepProgress(f"round {round} train: {len(rows)} rows, starting")
+    bar = tqdm(desc=f"round {round_no} train", unit="step", leave=False)
+    ui = StepProgress(f"round {round_no} train: {len(rows)} rows, starting")
 
     def on_step(step: int, total: int) -> None:
         bar.total = total
         bar.update(step - bar.n)
-        ui.update(step, total, f"round {round} train: step {step} of {total} ({len(rows)} rows)", last=step == total)
+        ui.update(step, total, f"round {round_no} train: step {step} of {total} ({len(rows)} rows)", last=step == total)
 
-    job = dict(model_path=parent_path, rows=rows, out_dir=out_dir, seed=round_seed(cfg, round, 1),
+    job = dict(model_path=parent_path, rows=rows, out_dir=out_dir, seed=round_seed(cfg, round_no, 1),
                dtype=cfg.model.dtype, distill=_one_loss(methods, "distill_loss"),
                policy=_one_loss(methods, "policy_loss"), trust_remote_code=cfg.model.trust_remote_code,
-               log_dir=run_dir(cfg) / "tensorboard" / f"round-{round}", run_name=f"{run_id}-round-{round}",
+               log_dir=run_dir(cfg) / "tensorboard" / f"round-{round_no}", run_name=f"{run_id}-round-{round_no}",
                reference_path=reference_path)
     try:
         if uses_launcher(cfg.train):  # accelerate launch with train.processes processes (models/launch.py)
             try:
-                metrics, used_ids = train_launched(run_dir(cfg) / "launch" / f"round-{round}", train_cfg,
+                metrics, used_ids = train_launched(run_dir(cfg) / "launch" / f"round-{round_no}", train_cfg,
                                                    on_step=on_step, **job)
             except LaunchError:
                 shutil.rmtree(out_dir, ignore_errors=True)  # a crashed job's partial checkpoint is not a candidate
@@ -181,11 +183,11 @@ def train_round(cfg: Config, round: int) -> dict:
         zero = sum(r.get("kind") == "pg" and not r.get("advantage") for r in rows)
         why = (f"all {len(rows)} rows have advantage 0 (uniform groups: no policy gradient)" if zero == len(rows)
                else f"none of the {len(rows)} rows could be trained on")
-        return _skip(cfg, round, started, metrics, why)
-    cid = candidate_id(cfg, round)
+        return _skip(cfg, round_no, started, metrics, why)
+    cid = candidate_id(cfg, round_no)
     counts = {m.name: sum(e["method"] == m.name for e in examples) for m in methods}
     write_model_card(out_dir, {
-        "model_id": cid, "run": run_id, "round": round, "parent_id": parent, "parent_path": parent_path,
+        "model_id": cid, "run": run_id, "round": round_no, "parent_id": parent, "parent_path": parent_path,
         "init": cfg.train.init, "champion": champion,
         "methods": [m.name for m in methods], "examples": counts, "replay": metrics["replay"],
         "trained_rows": len(used_ids),
@@ -193,14 +195,14 @@ def train_round(cfg: Config, round: int) -> dict:
         | {"learning_rate": lr, "warmup_ratio": cfg.train.warmup_ratio, "lr_scheduler": cfg.train.lr_scheduler,
            "epochs": cfg.train.epochs, "lora": cfg.train.lora.enabled},
         "gate": None, "created": utcnow().isoformat(timespec="seconds")})
-    with open_store(cfg) as store, store.step(run_id, round, "train", started) as tx:
+    with open_store(cfg) as store, store.step(run_id, round_no, "train", started) as tx:
         tx.insert("models", [{"model_id": cid, "parent_id": parent, "path": str(out_dir), "role": "candidate",
                               "train_metrics": metrics}])
         tx.insert("train_inputs", [{"model_id": cid, "example_id": e} for e in used_ids])
     loss = (f"loss {metrics['first_loss']:.3f} -> {metrics['last_loss']:.3f} (mean {metrics['train_loss']:.3f})"
             if metrics.get("first_loss") is not None else "no loss logged")
     get_run_logger().info("round %d train: candidate %s from %s: %d rows (%s; %d replayed), lr %g, %d steps, %s in "
-                          "%.0f s", round, cid, parent, len(used_ids),
+                          "%.0f s", round_no, cid, parent, len(used_ids),
                           ", ".join(f"{m} {n}" for m, n in counts.items()), metrics["replay"]["examples"], lr,
                           metrics["steps"], loss, (utcnow() - started).total_seconds())
     return metrics

@@ -126,7 +126,7 @@ class Method:
         """Turn the round's experience into examples (and rows of the method's tables)."""
         raise NotImplementedError
 
-    def training_rows(self, store, run_id: str, round: int, examples: list[dict]) -> list[dict]:
+    def training_rows(self, store, run_id: str, round_no: int, examples: list[dict]) -> list[dict]:
         """Training rows (models/encoding.py) for this method's examples of the round (and, for a `replayable`
         method, its replayed examples of earlier rounds). Default: each example is an SFT row on its messages (loss
         from meta.train_from on, except the assistant messages listed in meta.untrained: row key `untrained`) with

@@ -48,11 +48,11 @@ class GRPO(Method):
             "mean_abs_advantage": mean(abs(r["meta"]["advantage"]) for r in rows) if rows else None,
             "advantage": c.advantage})
 
-    def training_rows(self, store, run_id: str, round: int, examples: list[dict]) -> list[dict]:
+    def training_rows(self, store, run_id: str, round_no: int, examples: list[dict]) -> list[dict]:
         """Each example is a "pg" row: its conversation, advantage and, per own turn, the sampled token ids with
         their logprobs after temperature only (for the mismatch correction)."""
         turns: dict[str, list[dict]] = {}
-        for t in store.step_turns(run_id, round, "generate"):
+        for t in store.step_turns(run_id, round_no, "generate"):
             turns.setdefault(t["traj_id"], []).append(t)
         return [{"kind": "pg", "example_id": e["example_id"], "weight": e["weight"], "messages": e["messages"],
                  "train_from": e["meta"]["train_from"], "tools": e["meta"].get("tools"),

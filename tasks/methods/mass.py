@@ -361,10 +361,10 @@ class MASS(Method):
 
     # ---- training --------------------------------------------------------------------------------------------
 
-    def training_rows(self, store, run_id: str, round: int, examples: list[dict]) -> list[dict]:
+    def training_rows(self, store, run_id: str, round_no: int, examples: list[dict]) -> list[dict]:
         """SFT rows on the bare task prompt and the workflow's answer; validation examples are rows with
         `validation: True` (the trainer keeps the checkpoint with the lowest loss on them, never trains on them)."""
-        rows = super().training_rows(store, run_id, round, examples)
+        rows = super().training_rows(store, run_id, round_no, examples)
         for row, e in zip(rows, examples):
             if e["meta"].get("split") == "validation":
                 row["validation"] = True

@@ -121,7 +121,7 @@ class RSIPO(Method):
     # ---- distill --------------------------------------------------------------------------------------
 
     def distill(self, ctx: DistillContext, inputs: dict) -> Contribution:
-        c, round = ctx.cfg.distill.rsipo, ctx.round
+        c, round_no = ctx.cfg.distill.rsipo, ctx.round
         specs = {r["task_id"]: TaskSpec.from_row(r) for r in inputs["tasks"]}
         order = sorted(specs)
         played = [t for t in ctx.trajectories if t["status"] != "error" and t["n_turns"]]
@@ -147,7 +147,7 @@ class RSIPO(Method):
             spec = specs[task_id]
             new = skills.get(task_id)
             if new and new["usable"]:
-                tests.append(self._test(ctx, ti, 0, new["skill_id"], round, "new", None, new["text"], spec, groups))
+                tests.append(self._test(ctx, ti, 0, new["skill_id"], round_no, "new", None, new["text"], spec, groups))
             for slot, (s, score) in enumerate(retrieve(library, spec.task_type, facts[task_id]["text"],
                                                        c.library_candidates), 1):
                 tests.append(self._test(ctx, ti, slot, s.skill_id, s.written_round, "library", score, s.text, spec,
@@ -180,18 +180,18 @@ class RSIPO(Method):
             if s["usable"] and any(t["skill_id"] == s["skill_id"] for t in valid):
                 by_id[s["skill_id"]] = LibrarySkill(skill_id=s["skill_id"], task_type=s["task_type"], text=s["text"],
                                                     author_model_id=s["model_id"], writer=s["writer"],
-                                                    written_round=round)
+                                                    written_round=round_no)
         for t in valid:
-            by_id[t["skill_id"]].tests.append({"round": round, "test_id": t["test_id"], "task_id": t["task_id"],
+            by_id[t["skill_id"]].tests.append({"round": round_no, "test_id": t["test_id"], "task_id": t["task_id"],
                                                "gain": t["gain"], "noise": t["noise_var"],
                                                "shrunk": t["shrunk_gain"], "weight": t["weight"]})
         was_active = {s.skill_id for s in library if s.status == "active"}
-        entries = [library_entry(by_id[k], round, c.retire_after) for k in sorted(by_id)]
+        entries = [library_entry(by_id[k], round_no, c.retire_after) for k in sorted(by_id)]
 
         metrics = self._metrics(skills, tests, valid, replay_trajs, examples, evolution, entries, was_active,
                                 write_s, replay_s)
         log.info("round %d RSIPO: %d skills (%d usable, writer %s), %d tests, %d replays, mean gain %s, library %d "
-                 "active", round, metrics["skills"], metrics["usable"], c.skill_writer, metrics["tests"],
+                 "active", round_no, metrics["skills"], metrics["usable"], c.skill_writer, metrics["tests"],
                  metrics["replays"], num(metrics["mean_gain"], ".3f"), metrics["library_size"])
         return Contribution(
             examples=examples + evolution,
@@ -423,12 +423,12 @@ class RSIPO(Method):
 
     # ---- training and reports -----------------------------------------------------------------------
 
-    def training_rows(self, store, run_id: str, round: int, examples: list[dict]) -> list[dict]:
+    def training_rows(self, store, run_id: str, round_no: int, examples: list[dict]) -> list[dict]:
         """Distillation examples become "distill" rows (the pair's student and teacher conversations, weight w);
         skill-evolution examples become "pg" rows (the skill-writing conversation, the centred gain as advantage,
         the sampled tokens with their logprobs after temperature only)."""
-        pairs = store.foresight_pairs(run_id, round) if any(e["meta"]["kind"] == "distill" for e in examples) else {}
-        skills = store.rsipo_skills(run_id, round) if any(e["meta"]["kind"] == "evolution" for e in examples) else {}
+        pairs = store.foresight_pairs(run_id, round_no) if any(e["meta"]["kind"] == "distill" for e in examples) else {}
+        skills = store.rsipo_skills(run_id, round_no) if any(e["meta"]["kind"] == "evolution" for e in examples) else {}
         rows = []
         for e in examples:
             if e["meta"]["kind"] == "distill":

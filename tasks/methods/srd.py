@@ -90,7 +90,7 @@ def _pick(attempts: list[Attempt], want_success: bool, n: int) -> list[Attempt]:
 def _srd_rows(ctx: DistillContext, inputs: dict) -> dict:
     """Notes, foresight pairs and examples of this round; returns {"notes", "foresight", "examples": rows,
     "metrics": dict}."""
-    cfg, round, trajs, champion = ctx.cfg, ctx.round, ctx.trajectories, ctx.champion
+    cfg, round_no, trajs, champion = ctx.cfg, ctx.round, ctx.trajectories, ctx.champion
     scfg = cfg.distill.srd
     specs = {r["task_id"]: TaskSpec.from_row(r) for r in inputs["tasks"]}
     task_text, facts, instructions = _task_facts(cfg, specs)
@@ -121,7 +121,7 @@ def _srd_rows(ctx: DistillContext, inputs: dict) -> dict:
         backend = ctx.backend()
         params = SamplingParams(max_new_tokens=scfg.note_max_tokens, temperature=scfg.note_temperature,
                                 top_p=cfg.backend.top_p if scfg.note_temperature > 0 else 1.0,
-                                seed=round_seed(cfg, round, 11))
+                                seed=round_seed(cfg, round_no, 11))
         gens = backend.generate([n.prompt for n in notes], params)
         raw_texts = [g.text for g in gens]
         for n, g in zip(notes, gens):
@@ -154,7 +154,7 @@ def _srd_rows(ctx: DistillContext, inputs: dict) -> dict:
         backend = backend or ctx.backend()
         params = SamplingParams(max_new_tokens=scfg.foresight_max_tokens, temperature=scfg.foresight_temperature,
                                 top_p=cfg.backend.top_p if scfg.foresight_temperature > 0 else 1.0,
-                                seed=round_seed(cfg, round, 12))
+                                seed=round_seed(cfg, round_no, 12))
         gens = backend.generate([p.student for p in pairs], params)
         kept = []
         for p, g in zip(pairs, gens):
@@ -234,10 +234,10 @@ class SRD(Method):
         return Contribution(examples=out["examples"], tables={"notes": out["notes"], "foresight": out["foresight"]},
                             metrics=out["metrics"])
 
-    def training_rows(self, store, run_id: str, round: int, examples: list[dict]) -> list[dict]:
+    def training_rows(self, store, run_id: str, round_no: int, examples: list[dict]) -> list[dict]:
         """Each SRD example is a "distill" row: its pair's student and teacher conversations, the student's
         sampled completion ids and their sampling logprobs."""
-        pairs = store.foresight_pairs(run_id, round)
+        pairs = store.foresight_pairs(run_id, round_no)
         return [distill_row(e, pairs[e["meta"]["foresight_id"]]) for e in examples]
 
     def distill_loss(self):

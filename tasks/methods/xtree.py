@@ -35,8 +35,8 @@ CONTEXT_HEADER = ("Reusable action patterns from earlier episodes of this kind o
 USES = ("bonus", "token_weights", "context")
 
 
-def tree_id(run_id: str, round: int) -> str:
-    return f"{run_id}/r{round}/xtree"
+def tree_id(run_id: str, round_no: int) -> str:
+    return f"{run_id}/r{round_no}/xtree"
 
 
 def split_by_turn_weights(row: dict, weights: list[float]) -> list[dict]:
@@ -196,10 +196,10 @@ class XTree(Method):
 
     # ---- training and reports ------------------------------------------------------------------------
 
-    def training_rows(self, store, run_id: str, round: int, examples: list[dict]) -> list[dict]:
+    def training_rows(self, store, run_id: str, round_no: int, examples: list[dict]) -> list[dict]:
         """Each context example is a "distill" row: the rollout's conversation as the student, the same with the
         rendered tree as the teacher, scored on the rollout's own actions."""
-        pairs = store.foresight_pairs(run_id, round)
+        pairs = store.foresight_pairs(run_id, round_no)
         return [distill_row(e, pairs[e["meta"]["foresight_id"]]) for e in examples]
 
     def distill_loss(self):

@@ -33,7 +33,7 @@ def _retry(flow_run):
 
 
 @task(name="train")
-def _crashing_train(cfg, round):
+def _crashing_train(cfg, round_no):
     raise RuntimeError("the machine ran out of memory (simulated)")
 
 

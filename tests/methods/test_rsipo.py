@@ -144,16 +144,16 @@ def test_library_retrieval_by_type_and_lexical_match():
 
 def test_retirement_after_shrunk_gains_stay_at_or_below_zero():
     s = _skill("s", "x", "text", [-0.1])
-    e = library_entry(s, round=1, retire_after=2)
+    e = library_entry(s, round_no=1, retire_after=2)
     assert e["status"] == "active" and e["nonpositive_streak"] == 1     # one test: on probation
     s.tests.append({"round": 2, "test_id": "s/t1", "task_id": "t", "gain": 0.3, "noise": 0.01, "shrunk": 0.0,
                     "weight": 0.0})
-    e = library_entry(s, round=2, retire_after=2)
+    e = library_entry(s, round_no=2, retire_after=2)
     assert e["status"] == "retired" and e["retired_round"] == 2 and e["nonpositive_streak"] == 2
     assert e["n_tests"] == 2 and e["mean_gain"] == pytest.approx(0.1)
     assert e["gain_ci_low"] == pytest.approx(0.1 - 1.96 * 0.02 ** 0.5 / 2)  # mean ± z·sqrt(Σv)/n
     good = _skill("g", "x", "text", [-0.1, 0.2])
-    assert library_entry(good, round=2, retire_after=2)["status"] == "active"  # a positive re-test keeps it
+    assert library_entry(good, round_no=2, retire_after=2)["status"] == "active"  # a positive re-test keeps it
     s.tests.append({"round": 3, "test_id": "s/t2", "task_id": "t", "gain": 0.9, "noise": 0.01, "shrunk": 0.9,
                     "weight": 1.0})
-    assert library_entry(s, round=3, retire_after=2)["status"] == "retired"  # retired stays retired
+    assert library_entry(s, round_no=3, retire_after=2)["status"] == "retired"  # retired stays retired

@@ -6,27 +6,27 @@ import pytest
 RUN = "run1"
 
 
-def fake_round(store, decision="promote", round=0):
+def fake_round(store, decision="promote", round_no=0):
     champion = store.champion(RUN)
-    candidate = f"cand-{round}"
-    store.start_round(RUN, round, champion)
-    with store.step(RUN, round, "generate") as tx:
+    candidate = f"cand-{round_no}"
+    store.start_round(RUN, round_no, champion)
+    with store.step(RUN, round_no, "generate") as tx:
         tx.insert("tasks", [{"task_id": "k1", "env": "household", "split": "train", "task_type": "heat", "seed": 1}])
         tx.insert("trajectories", [
-            {"traj_id": f"{round}-t1", "task_id": "k1", "model_id": champion, "purpose": "train",
+            {"traj_id": f"{round_no}-t1", "task_id": "k1", "model_id": champion, "purpose": "train",
              "status": "success", "success": True, "reward": 1.0, "n_turns": 1},
-            {"traj_id": f"{round}-t2", "task_id": "k1", "model_id": champion, "purpose": "train",
+            {"traj_id": f"{round_no}-t2", "task_id": "k1", "model_id": champion, "purpose": "train",
              "status": "failure", "success": False, "reward": 0.0, "n_turns": 1},
         ])
-    with store.step(RUN, round, "distill") as tx:
-        tx.insert("examples", [{"example_id": f"{round}-e1", "method": "exit", "source_traj_id": f"{round}-t1",
+    with store.step(RUN, round_no, "distill") as tx:
+        tx.insert("examples", [{"example_id": f"{round_no}-e1", "method": "exit", "source_traj_id": f"{round_no}-t1",
                                 "messages": [{"role": "user", "content": "go"}], "weight": 1.0}])
-    with store.step(RUN, round, "train") as tx:
+    with store.step(RUN, round_no, "train") as tx:
         tx.insert("models", [{"model_id": candidate, "parent_id": champion, "path": f"ckpt/{candidate}",
                               "role": "candidate", "train_metrics": {"loss": 0.5}}])
-        tx.insert("train_inputs", [{"model_id": candidate, "example_id": f"{round}-e1"}])
-    with store.step(RUN, round, "gate") as tx:
-        tx.insert("evaluations", [{"eval_id": f"{round}-v", "model_id": candidate, "split": "heldout",
+        tx.insert("train_inputs", [{"model_id": candidate, "example_id": f"{round_no}-e1"}])
+    with store.step(RUN, round_no, "gate") as tx:
+        tx.insert("evaluations", [{"eval_id": f"{round_no}-v", "model_id": candidate, "split": "heldout",
                                    "env": "household", "task_type": "*", "n": 10, "successes": 6,
                                    "success_rate": 0.6}])
         new_champion = candidate if decision == "promote" else champion
@@ -35,7 +35,7 @@ def fake_round(store, decision="promote", round=0):
                                       "new_champion_id": new_champion}])
         tx.execute("UPDATE models SET role = ? WHERE model_id = ?",
                    ["champion" if decision == "promote" else "rejected", candidate])
-    store.finish_round(RUN, round, new_champion, {"success_rate": 0.6})
+    store.finish_round(RUN, round_no, new_champion, {"success_rate": 0.6})
 
 
 @pytest.fixture
@@ -67,9 +67,9 @@ def test_runs_and_rounds(run_store):
 def test_champion_follows_promotions_not_rejections(run_store):
     store = run_store
     assert store.champion(RUN) == "base"
-    fake_round(store, "promote", round=0)
+    fake_round(store, "promote", round_no=0)
     assert store.champion(RUN) == "cand-0"
-    fake_round(store, "reject", round=1)
+    fake_round(store, "reject", round_no=1)
     assert store.champion(RUN) == "cand-0"
     assert store.champion("unknown-run") is None
 

@@ -4,7 +4,7 @@ import pyarrow as pa
 import pytest
 
 
-def trajectories(n, run="r", round=0):
+def trajectories(n, run="r", round_no=0):
     return [{"traj_id": f"t{i}", "task_id": f"task{i % 2}", "model_id": "base", "purpose": "train",
              "status": "success", "success": True, "reward": 1.0, "hindsight": {"apple": "fridge"}}
             for i in range(n)]
@@ -57,8 +57,8 @@ def test_failed_step_rolls_back_and_is_marked_failed(store):
 
 
 def test_other_keys_are_untouched(store):
-    for run, round in [("r", 0), ("r", 1), ("other", 0)]:
-        with store.step(run, round, "generate") as tx:
+    for run, round_no in [("r", 0), ("r", 1), ("other", 0)]:
+        with store.step(run, round_no, "generate") as tx:
             tx.insert("trajectories", trajectories(2))
     with store.step("r", 0, "generate") as tx:
         tx.insert("trajectories", trajectories(1))

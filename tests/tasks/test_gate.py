@@ -38,8 +38,8 @@ def scripted(monkeypatch):
     return calls, events
 
 
-def register(store, round, model_id, path, role, parent=None):
-    with store.step(RUN, round, "train" if round else "register_base") as tx:
+def register(store, round_no, model_id, path, role, parent=None):
+    with store.step(RUN, round_no, "train" if round_no else "register_base") as tx:
         tx.insert("models", [{"model_id": model_id, "parent_id": parent, "path": path, "role": role}])
 
 

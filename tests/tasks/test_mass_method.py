@@ -61,20 +61,20 @@ def config(tmp_path, *overrides):
                                 *overrides])
 
 
-def distill(cfg, tiny_path, round=1):
+def distill(cfg, tiny_path, round_no=1):
     """The distill step's work on stored tasks, without Prefect: read, distill, one transaction of rows."""
     env = ParityEnv()
-    tasks = env.sample_tasks("train", cfg.generate.tasks_per_round, round)
+    tasks = env.sample_tasks("train", cfg.generate.tasks_per_round, round_no)
     prefix, tools = prompt_setup(cfg)
     (method,) = enabled_methods(cfg)
     with Store(cfg.run.store) as store:
-        with store.step(cfg.run.name, round, "generate") as tx:
+        with store.step(cfg.run.name, round_no, "generate") as tx:
             tx.insert("tasks", [t.to_row() for t in tasks])
-        ctx = DistillContext(cfg=cfg, round=round, champion="tiny-base", champion_path=str(tiny_path),
+        ctx = DistillContext(cfg=cfg, round=round_no, champion="tiny-base", champion_path=str(tiny_path),
                              trajectories=[], prefix=prefix, tools=tools)
         inputs = method.read(store, ctx)
     out = method.distill(ctx, inputs)
-    with Store(cfg.run.store) as store, store.step(cfg.run.name, round, "distill") as tx:
+    with Store(cfg.run.store) as store, store.step(cfg.run.name, round_no, "distill") as tx:
         tx.insert("examples", out.examples)
         for table, rows in out.tables.items():
             tx.insert(table, rows)

@@ -128,8 +128,8 @@ def test_grpo_examples_are_never_replayed(filled, tmp_path):
 
 
 def test_select_replay_keeps_this_rounds_examples_and_counts_against_them():
-    def ex(i, task, action, round=1):
-        return {"example_id": i, "source_traj_id": i, "task_id": task, "round": round, "meta": {"train_from": 1},
+    def ex(i, task, action, round_no=1):
+        return {"example_id": i, "source_traj_id": i, "task_id": task, "round": round_no, "meta": {"train_from": 1},
                 "messages": _msgs(action)}
     current = [ex("c1", "A", "x"), ex("c2", "A", "x")]          # this round's duplicates are not replay's to drop
     kept, counts = select_replay(current, [ex("e1", "A", "x"), ex("e2", "A", "y"), ex("e3", "B", "y")], 3, True)

@@ -28,12 +28,12 @@ def _run_with_candidates(tmp_path, keep: int):
     return cfg, models
 
 
-def _deploy_retention(cfg, round):
+def _deploy_retention(cfg, round_no):
     """What the deploy step does: list, delete, record in its transaction."""
     with Store(cfg.run.store) as store:
         expired = store.expired_checkpoints("tiny", cfg.train.keep_candidates)
-    deleted, elsewhere = expire_checkpoints(cfg, round, expired)
-    with Store(cfg.run.store) as store, store.step("tiny", round, "deploy") as tx:
+    deleted, elsewhere = expire_checkpoints(cfg, round_no, expired)
+    with Store(cfg.run.store) as store, store.step("tiny", round_no, "deploy") as tx:
         tx.insert("deleted_checkpoints", deleted)
     return deleted, elsewhere
 

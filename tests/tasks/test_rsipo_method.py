@@ -66,32 +66,33 @@ def config(tmp_path, *overrides):
                                 "distill.methods=[grpo,rsipo]", "distill.rsipo.replays=3", *overrides])
 
 
-def generate(cfg, round, path):
+def generate(cfg, round_no, path):
     """The generate step's work, without Prefect."""
     env = env_factory(cfg)()
-    specs = env.sample_tasks("train", cfg.generate.tasks_per_round, 100 + round)
+    specs = env.sample_tasks("train", cfg.generate.tasks_per_round, 100 + round_no)
     env.close()
-    episodes = [Episode(traj_id=f"tiny/r{round}/gen/{i:04d}-{g:02d}", task=t, group_id=f"tiny/r{round}/{t.task_id}",
-                        sample_idx=g) for i, t in enumerate(specs) for g in range(cfg.generate.group_size)]
-    play(cfg, backend_for(cfg, path), episodes, cfg.backend.temperature, round, "generate")
+    episodes = [Episode(traj_id=f"tiny/r{round_no}/gen/{i:04d}-{g:02d}", task=t,
+                        group_id=f"tiny/r{round_no}/{t.task_id}", sample_idx=g)
+                for i, t in enumerate(specs) for g in range(cfg.generate.group_size)]
+    play(cfg, backend_for(cfg, path), episodes, cfg.backend.temperature, round_no, "generate")
     trajs, turns = episode_rows(episodes, "tiny/base", "train")
-    with Store(cfg.run.store) as store, store.step("tiny", round, "generate") as tx:
+    with Store(cfg.run.store) as store, store.step("tiny", round_no, "generate") as tx:
         tx.insert("tasks", [t.to_row() for t in specs])
         tx.insert("trajectories", trajs)
         tx.insert("turns", turns)
 
 
-def distill(cfg, round, path):
+def distill(cfg, round_no, path):
     """The distill step's work, without Prefect: every method's read, distill, and one transaction of rows."""
     methods = enabled_methods(cfg)
     prefix, tools = prompt_setup(cfg)
     with Store(cfg.run.store) as store:
-        ctx = DistillContext(cfg=cfg, round=round, champion="tiny/base", champion_path=str(path),
-                             trajectories=trajectories_with_turns(store, "tiny", round, "generate", prefix, tools),
+        ctx = DistillContext(cfg=cfg, round=round_no, champion="tiny/base", champion_path=str(path),
+                             trajectories=trajectories_with_turns(store, "tiny", round_no, "generate", prefix, tools),
                              prefix=prefix, tools=tools)
         inputs = {m.name: m.read(store, ctx) for m in methods}
     out = {m.name: m.distill(ctx, inputs[m.name]) for m in methods}
-    with Store(cfg.run.store) as store, store.step("tiny", round, "distill") as tx:
+    with Store(cfg.run.store) as store, store.step("tiny", round_no, "distill") as tx:
         for m in methods:
             tx.insert("examples", [{**e, "method": e.get("method", m.name)} for e in out[m.name].examples])
             for table, rows in out[m.name].tables.items():

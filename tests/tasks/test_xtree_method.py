@@ -20,35 +20,35 @@ def config(tmp_path, *overrides):
                                 *overrides])
 
 
-def play(store, run, round, episodes):
+def play(store, run, round_no, episodes):
     """Store a generate step: episodes are (group, task_type, symbols, success)."""
     tasks, trajs, turns = {}, [], []
     for i, (group, task_type, symbols, success) in enumerate(episodes):
-        task_id = f"r{round}-{group}"
+        task_id = f"r{round_no}-{group}"
         tasks[task_id] = {"task_id": task_id, "env": "household", "split": "train", "task_type": task_type,
                           "seed": 0, "spec": "{}"}
-        traj_id = f"r{round}-{i:02d}"
-        trajs.append({"traj_id": traj_id, "task_id": task_id, "model_id": "m", "group_id": f"r{round}-{group}",
+        traj_id = f"r{round_no}-{i:02d}"
+        trajs.append({"traj_id": traj_id, "task_id": task_id, "model_id": "m", "group_id": f"r{round_no}-{group}",
                       "sample_idx": i, "purpose": "train", "status": "success" if success else "failure",
                       "success": success, "reward": float(success), "n_turns": len(symbols)})
         turns += [{"traj_id": traj_id, "turn_idx": k, "observation": f"obs {k}", "action_text": f"{s} {k}",
                    "action_symbol": s, "valid": True} for k, s in enumerate(symbols)]
-    with store.step(run, round, "generate") as tx:
+    with store.step(run, round_no, "generate") as tx:
         tx.insert("tasks", list(tasks.values()))
         tx.insert("trajectories", trajs)
         tx.insert("turns", turns)
 
 
-def distill(cfg, round):
+def distill(cfg, round_no):
     """The distill step's work, without Prefect: every method's read, distill, and one transaction of rows."""
     methods = enabled_methods(cfg)
     with Store(cfg.run.store) as store:
-        ctx = DistillContext(cfg=cfg, round=round, champion="m", champion_path="-",
-                             trajectories=trajectories_with_turns(store, cfg.run.name, round, "generate", PREFIX),
+        ctx = DistillContext(cfg=cfg, round=round_no, champion="m", champion_path="-",
+                             trajectories=trajectories_with_turns(store, cfg.run.name, round_no, "generate", PREFIX),
                              prefix=PREFIX)
         inputs = {m.name: m.read(store, ctx) for m in methods}
     out = {m.name: m.distill(ctx, inputs[m.name]) for m in methods}
-    with Store(cfg.run.store) as store, store.step(cfg.run.name, round, "distill") as tx:
+    with Store(cfg.run.store) as store, store.step(cfg.run.name, round_no, "distill") as tx:
         for m in methods:
             tx.insert("examples", out[m.name].examples)
             for table, rows in out[m.name].tables.items():
@@ -60,7 +60,7 @@ def distill(cfg, round):
 NOISE = ["look<>", "inventory<>", "open<receptacle>", "examine<object>"]
 
 
-def round_of(round):
+def round_of(round_no):
     """Two heat groups (one all-fail: two rollouts run the routine, two don't) and a mixed pick group."""
     eps = []
     for k in range(4):
