@@ -18,9 +18,10 @@
    from the chaos store is a lost row, a key more often in the chaos store than in the reference a duplicate
    (or an extra row), and a key in both whose row differs a changed row. Columns that are time-dependent by
    design are left out: timestamps (`*_at`), durations (`wall_s`, `mine_s`, `notes_s`,
-   `foresight_s`, `*seconds`, TRL's `train_runtime` / `*_per_second`), and the leases and schema_migrations
-   tables (bookkeeping of who held the store when); paths are compared with each run's folder replaced by
-   `<dir>`. The checkpoints' safetensors files are compared by hash.
+   `foresight_s`, `*seconds`, TRL's `train_runtime` / `*_per_second`), and the leases, round_flow_runs and
+   schema_migrations tables (bookkeeping of who held the store when, and which flow runs ran a round);
+   paths are compared with each run's folder replaced by `<dir>`. The checkpoints' safetensors files are
+   compared by hash.
 
 Prints a table of the kills (delay, steps completed when killed, processes left) and the comparison, and
 writes them as JSON to --out/chaos.json. Exit status 1 if a row was lost or duplicated or a process was left;
@@ -52,7 +53,7 @@ STEPS = ("generate", "evaluate", "distill", "train", "gate", "deploy")
 TIME_DEPENDENT = re.compile(r"(_at|[a-z]{2,}_s|seconds|runtime|per_second)$")   # not xtree's p_s
 ROUND_START = "of run '{run}' starting: champion"
 STEP_DONE = re.compile(r"Task run '([a-z]+)-[0-9a-f]+' - Finished in state Completed")
-BOOKKEEPING = {"leases", "schema_migrations"}
+BOOKKEEPING = {"leases", "round_flow_runs", "schema_migrations"}
 # SRD's template notes: the round has training examples, so train, gate and deploy do real work. kv_reuse off:
 # with it on, the hf backend keeps KV caches across calls in one process, so a step run in a fresh process
 # (a resume) takes another floating-point path than in the process that ran the steps before it, and sampling

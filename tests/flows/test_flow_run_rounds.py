@@ -38,22 +38,22 @@ def _crashing_train(cfg, round_no):
 
 
 def test_retry_resumes_a_failed_round_and_refuses_a_completed_one(tmp_path, prefect_api, monkeypatch):
-    overrides = tiny_overrides(tmp_path)
+    overrides = tiny_overrides(tmp_path, "run.name=retry")
     monkeypatch.setitem(round_flow.STEP_TASKS, "train", _crashing_train)
     state = improvement_round([TINY], overrides, return_state=True)
     assert state.is_failed()
-    failed = _flow_run("tiny-round-1")
+    failed = _flow_run("retry-round-1")
     with Store(tmp_path / "store.duckdb", read_only=True) as store:
-        assert store.completed_steps("tiny", 1) == {"generate", "evaluate", "distill"}
-        assert [s["status"] for s in store.step_history("tiny") if s["step"] == "train"] == ["failed"]
-        assert [r["flow_run_id"] for r in store.round_flow_runs("tiny", 1)] == [str(failed.id)]
+        assert store.completed_steps("retry", 1) == {"generate", "evaluate", "distill"}
+        assert [s["status"] for s in store.step_history("retry") if s["step"] == "train"] == ["failed"]
+        assert [r["flow_run_id"] for r in store.round_flow_runs("retry", 1)] == [str(failed.id)]
 
     monkeypatch.undo()   # the cause is fixed; the operator presses Retry on the failed flow run
     state = _retry(failed)
     assert state.is_completed(), state.message
     result = state.result()
     assert result["round"] == 1 and result["skipped"] == ["distill", "evaluate", "generate"]
-    again = _flow_run("tiny-round-1")   # the same flow run, still named for its round
+    again = _flow_run("retry-round-1")   # the same flow run, still named for its round
     assert again.id == failed.id
     decision, serving = round_flow.outcome(round_flow.load_config([TINY], overrides), 1)
     assert f"gate:{decision}" in again.tags and f"champion:{serving}" in again.tags
@@ -62,15 +62,15 @@ def test_retry_resumes_a_failed_round_and_refuses_a_completed_one(tmp_path, pref
     # Retry on the completed flow run: it runs nothing, says why and what to run; round 2 does not exist
     state = _retry(again)
     assert state.is_completed()
-    assert state.message.startswith("retry refused: flow run 'tiny-round-1' ran round 1 of run 'tiny', which "
+    assert state.message.startswith("retry refused: flow run 'retry-round-1' ran round 1 of run 'retry', which "
                                     "completed") and "prefect deployment run" in state.message
     with Store(tmp_path / "store.duckdb", read_only=True) as store:
-        assert store.last_completed_round("tiny") == 1 and store.round_status("tiny", 2) is None
-    assert _flow_run("tiny-round-1").id == failed.id
+        assert store.last_completed_round("retry") == 1 and store.round_status("retry", 2) is None
+    assert _flow_run("retry-round-1").id == failed.id
 
     # the next round is a new flow run with its own name
     assert improvement_round([TINY], overrides)["round"] == 2
-    assert _flow_run("tiny-round-2").id != failed.id
+    assert _flow_run("retry-round-2").id != failed.id
 
 
 def test_a_step_timeout_stops_generate_and_is_recorded(tmp_path, prefect_api):
@@ -136,7 +136,7 @@ def test_events_after_a_rename_name_the_flow_run_by_its_new_name(prefect_api):
 
     @flow
     def renamed():
-        round_flow.update_flow_run("tiny-round-9", ["gate:promote"])
+        round_flow.update_flow_run("renamed-round-9", ["gate:promote"])
 
         async def related():
             async with get_client() as client:
@@ -145,5 +145,5 @@ def test_events_after_a_rename_name_the_flow_run_by_its_new_name(prefect_api):
 
     resources = renamed()
     (flow_run,) = [r for r in resources if r["prefect.resource.role"] == "flow-run"]
-    assert flow_run["prefect.resource.name"] == "tiny-round-9"
+    assert flow_run["prefect.resource.name"] == "renamed-round-9"
     assert "prefect.tag.gate:promote" in {r["prefect.resource.id"] for r in resources}
