@@ -16,6 +16,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from rsiflow.configs.registry import BACKENDS
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -189,9 +191,9 @@ class OpenAIBackendConfig(_Section):
 
 
 class BackendConfig(_Section):
-    kind: str = Field("hf", description="Generation backend, a key of models.backend.BACKENDS: 'hf' (transformers "
-        "generate, CPU or one GPU), 'vllm' (vLLM's engine, one per process), 'openai' (an OpenAI-compatible "
-        "server). Its options are in the section of the same name.")
+    kind: str = Field("hf", description="Generation backend, a key of BACKENDS (configs/registry.py): 'hf' "
+        "(transformers generate, CPU or one GPU), 'vllm' (vLLM's engine, one per process), 'openai' (an "
+        "OpenAI-compatible server). Its options are in the section of the same name.")
     max_new_tokens: int = Field(24, ge=1, le=8192, description="Most tokens per action (at most 8192: a 135M model "
         "on 2 CPU cores writes ~20 tokens/s).")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature for training rollouts (0 = greedy).")
@@ -203,8 +205,6 @@ class BackendConfig(_Section):
 
     @model_validator(mode="after")
     def _known_kind_and_no_foreign_options(self) -> BackendConfig:
-        from rsiflow.models.backend import BACKENDS
-
         if self.kind not in BACKENDS:
             raise ValueError(f"backend.kind: unknown backend {self.kind!r}; known: {sorted(BACKENDS)}")
         for name in type(self).model_fields:

@@ -18,7 +18,7 @@ from then on (the `hf` backend reloads the weights in its process) and returns a
 it did, which the deploy step stores with the round.
 
 A new backend is one module with a class that has `open` (a classmethod: a backend serving a
-checkpoint, built or reused), `generate` and `serve`, named in `BACKENDS`; its options get their
+checkpoint, built or reused), `generate` and `serve`, named in `BACKENDS` (configs/registry.py); its options get their
 own section of the config (`backend.<kind>`, configs/schema.py).
 """
 
@@ -30,12 +30,7 @@ from dataclasses import dataclass, field
 from importlib import import_module
 from typing import Any, Protocol
 
-# backend.kind -> "module:Class", imported on first use (a backend may need packages others don't).
-BACKENDS: dict[str, str] = {
-    "hf": "rsiflow.models.hf_backend:HFBackend",
-    "vllm": "rsiflow.models.vllm_backend:VLLMBackend",
-    "openai": "rsiflow.models.openai_backend:OpenAIBackend",
-}
+from rsiflow.configs.registry import BACKENDS
 
 
 class Interrupted(RuntimeError):
@@ -108,7 +103,7 @@ class Generation:
     prompt_tokens: int           # tokens of the templated prompt (prefill for this request)
     extra: dict = field(default_factory=dict)
     # per kept token: its logprob after temperature only (no top-p/top-k truncation), what a trainer
-    # recomputes; used for the rollout/trainer mismatch correction (methods/grpo.py)
+    # recomputes; used for the rollout/trainer mismatch correction (models/mismatch.py)
     temp_logprobs: list[float] = field(default_factory=list)
 
 

@@ -34,7 +34,7 @@ so only action tokens get the loss and the trajectory's advantage.
   The β-KL reference is the same champion (TRL's reference model is the initial policy), so its logprobs
   are π_old's; or, with PolicyLoss.reference "base", the run's base model (train_candidate's
   `reference_path`), scored once before training by the same call (`prepare_reference`).
-- Rollout/trainer mismatch (methods/grpo.py): k = π_old / π_sample per sampled token, with π_sample the
+- Rollout/trainer mismatch (models/mismatch.py): k = π_old / π_sample per sampled token, with π_sample the
   sampler's logprob after temperature only; the correction weight w (TIS, CIS or mask) multiplies the
   token's policy loss, as TRL's vLLM importance-sampling correction does, by entering the advantage as a
   per-token (B, T) advantage A·w (TRL's loss is linear in a non-negative per-token factor there).
@@ -62,11 +62,11 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from rsiflow.methods.grpo import Correction, correction_weight, mismatch_stats
 from rsiflow.models.backend import Interrupted, interrupted_since, interrupts
 from rsiflow.models.encoding import KINDS, encode_rows, tokenize_conversation
 from rsiflow.models.loading import load_model_and_tokenizer, save_checkpoint
 from rsiflow.models.losses import importance_weights, topk_divergence, weighted_token_ce
+from rsiflow.models.mismatch import Correction, correction_weight, mismatch_stats
 from rsiflow.models.shared_prefix import completion_logps, shared_prefix_logits
 
 DISTILL = KINDS.index("distill")

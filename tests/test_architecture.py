@@ -1,6 +1,7 @@
 """Architecture checks, read from the source with `ast` (nothing is imported):
 
-- the project's own modules import each other without a cycle;
+- the project's own modules import each other without a cycle, and so do its packages (configs, models, ...:
+  package A importing package B, and B importing A anywhere, is a cycle between the layers);
 - no string constant in tasks/ or flows/ is SQL (SQL lives in stores/);
 - the dependency direction of docs/architecture.md holds.
 
@@ -140,6 +141,22 @@ def cycle_report(root: Path, packages=PACKAGES) -> list[str]:
     ]
 
 
+def package_cycle_report(root: Path, packages=PACKAGES) -> list[str]:
+    """Each cycle among the packages (a package imports another when one of its modules does), as
+    `a -> b -> a` with, per edge, the first module import that makes it (`a.x (line N) imports b.y`)."""
+    graph = import_graph(root, packages)
+    edges: dict[str, dict[str, str]] = {}
+    for a, targets in sorted(graph.items()):
+        for b, line in sorted(targets.items()):
+            pa, pb = a.split(".")[0], b.split(".")[0]
+            if pa != pb:
+                edges.setdefault(pa, {}).setdefault(pb, f"{a} (line {line}) imports {b}")
+    nodes = {m.split(".")[0] for m in graph} | {b for bs in edges.values() for b in bs}
+    package_graph = {a: {b: 0 for b in edges.get(a, {})} for a in nodes}
+    return [" -> ".join(cycle) + ": " + "; ".join(edges[a][b] for a, b in zip(cycle, cycle[1:]))
+            for cycle in find_cycles(package_graph)]
+
+
 def sql_strings(root: Path, packages=("tasks", "flows")) -> list[str]:
     """`file:line: text` for every string constant under root/<package> that matches SQL. An f-string
     is checked as a whole, with `{}` for each interpolated value."""
@@ -198,6 +215,10 @@ def test_no_import_cycles():
     _fail_listing("import cycles among the project's modules", cycle_report(REPO))
 
 
+def test_no_import_cycles_between_packages():
+    _fail_listing("import cycles among the project's packages", package_cycle_report(REPO))
+
+
 def test_no_sql_in_tasks_or_flows():
     _fail_listing("SQL in tasks/ or flows/ (move it into stores/)", sql_strings(REPO))
 
@@ -238,6 +259,19 @@ def test_cycle_checker_follows_the_installed_names(tmp_path):
         "models/m.py": "import rsiflow.tasks.t as t\n",
     })
     assert cycle_report(tmp_path) == ["models.m (line 1) -> tasks.t (line 1) -> models.m"]
+
+
+def test_package_cycle_checker_names_the_imports_that_make_it(tmp_path):
+    _tree(tmp_path, {
+        "configs/__init__.py": "", "models/__init__.py": "",
+        "configs/schema.py": "def check():\n    from rsiflow.models.backend import BACKENDS\n",
+        "models/backend.py": "BACKENDS = {}\n",
+        "models/launch.py": "from rsiflow.configs.schema import check\n",
+    })
+    assert cycle_report(tmp_path) == []   # no module cycle ...
+    assert package_cycle_report(tmp_path) == [   # ... but the two packages depend on each other
+        "configs -> models -> configs: configs.schema (line 2) imports models.backend; "
+        "models.launch (line 1) imports configs.schema"]
 
 
 def test_the_repositorys_import_graph_is_not_empty():

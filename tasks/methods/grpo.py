@@ -62,7 +62,7 @@ class GRPO(Method):
                 for e in examples]
 
     def policy_loss(self):
-        from rsiflow.methods.grpo import Correction
+        from rsiflow.models.mismatch import Correction
         from rsiflow.models.trainer import PolicyLoss
 
         c = self.cfg.distill.grpo

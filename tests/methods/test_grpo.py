@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from rsiflow.methods.grpo import Correction, correction_weight, group_advantages, mismatch_stats, trajectory_advantages
+from rsiflow.methods.grpo import group_advantages, trajectory_advantages
+from rsiflow.models.mismatch import Correction, correction_weight, mismatch_stats
 
 
 def test_grpo_advantages_by_hand():

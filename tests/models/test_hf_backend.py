@@ -190,7 +190,8 @@ def test_get_backend_reuses_a_loaded_model_and_finds_a_redeployed_one(tiny_path,
 
 
 def test_open_backend_by_kind(tiny_path):
-    from rsiflow.models.backend import BACKENDS, open_backend
+    from rsiflow.configs.registry import BACKENDS
+    from rsiflow.models.backend import open_backend
 
     assert "hf" in BACKENDS
     clear_backends()
