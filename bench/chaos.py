@@ -46,6 +46,7 @@ from pathlib import Path
 
 import duckdb
 
+from rsiflow.stores.migrations import BOOKKEEPING_TABLES
 from rsiflow.stores.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,7 +54,6 @@ STEPS = ("generate", "evaluate", "distill", "train", "gate", "deploy")
 TIME_DEPENDENT = re.compile(r"(_at|[a-z]{2,}_s|seconds|runtime|per_second)$")   # not xtree's p_s
 ROUND_START = "of run '{run}' starting: champion"
 STEP_DONE = re.compile(r"Task run '([a-z]+)-[0-9a-f]+' - Finished in state Completed")
-BOOKKEEPING = {"leases", "round_flow_runs", "schema_migrations"}
 # SRD's template notes: the round has training examples, so train, gate and deploy do real work. kv_reuse off:
 # with it on, the hf backend keeps KV caches across calls in one process, so a step run in a fresh process
 # (a resume) takes another floating-point path than in the process that ran the steps before it, and sampling
@@ -184,7 +184,7 @@ def table_rows(store: Path, folder: Path) -> dict[str, list[tuple[str, str]]]:
         columns: dict[str, list[str]] = {}
         for r in s.rows("SELECT table_name, column_name FROM information_schema.columns"
                         " WHERE table_schema = 'main' ORDER BY table_name, ordinal_position"):
-            if r["table_name"] not in BOOKKEEPING and not TIME_DEPENDENT.search(r["column_name"]):
+            if r["table_name"] not in BOOKKEEPING_TABLES and not TIME_DEPENDENT.search(r["column_name"]):
                 columns.setdefault(r["table_name"], []).append(r["column_name"])
         for table, cols in columns.items():
             rows = s.rows(f'SELECT {", ".join(f"{chr(34)}{c}{chr(34)}" for c in cols)} FROM "{table}"')

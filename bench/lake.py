@@ -41,8 +41,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LAKE_PYTHON = REPO / ".venv-lake" / "bin" / "python"
-# Tables that record who held the store when (not what a run computed).
-BOOKKEEPING = {"leases", "schema_migrations", "lake_locks"}
 # Config keys that say where a run's store is: left out of `runs.config` when runs on a file and a lake are compared.
 STORE_KEYS = ("store", "lake_data_path")
 
@@ -132,12 +130,13 @@ def run_rows(store, run_id: str, folder: str | Path) -> dict[str, list[tuple[str
     columns left out, the run's folder replaced by <dir>; bookkeeping tables left out. `store` is an open Store
     (a file or a lake)."""
     from bench.chaos import KEYS, TIME_DEPENDENT, _normalise
+    from rsiflow.stores.migrations import BOOKKEEPING_TABLES
 
     columns: dict[str, list[str]] = {}
     for r in store.rows("SELECT table_name, column_name FROM information_schema.columns"
                         " WHERE table_catalog = current_database() AND table_schema = 'main'"
                         " ORDER BY table_name, ordinal_position"):
-        if r["table_name"] not in BOOKKEEPING and not TIME_DEPENDENT.search(r["column_name"]):
+        if r["table_name"] not in BOOKKEEPING_TABLES and not TIME_DEPENDENT.search(r["column_name"]):
             columns.setdefault(r["table_name"], []).append(r["column_name"])
     out = {}
     for table, cols in columns.items():

@@ -545,6 +545,11 @@ CREATE TABLE round_flow_runs (
 );
 """
 
+# Tables that record who held a store when, and which process ran what (leases, Prefect flow runs, the schema's
+# own versions, the lake's lock row), not what a run computed: two stores of the same run differ in them by design,
+# so comparisons of runs (bench.chaos, bench.lake) leave them out.
+BOOKKEEPING_TABLES = frozenset({"leases", "round_flow_runs", "schema_migrations", "lake_locks"})
+
 MIGRATIONS: list[tuple[int, str, str]] = [
     (1, "initial schema", INITIAL_SCHEMA),
     (2, "SRD notes and foresight pairs", SRD_TABLES),
