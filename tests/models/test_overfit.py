@@ -2,7 +2,8 @@
 the loss to ~0, the saved checkpoint answers every row's question with its trained answer (greedy), and the
 logprob_change diagnostic sees the trained tokens' logprob rise.
 
-Measured (2 CPU cores, ~35 s): loss 14.0 -> 0.0013 over the 60 steps; logprob of the trained tokens -14.0 -> -0.0012.
+Measured (2 CPU cores, ~30 s): loss 14.0 -> 0.0008 over the 100 steps, the same on 1 and 2 threads; at 60 steps the
+loss stalls near 0.028 with 2 + 5 answered 'Answer: 9', at 80 it is 0.003 with every answer right.
 Checked to fail without what it tests: at learning rate 1e-6 (5 epochs) the loss stays at 13.97, delta is 0.04 and
 the generations are noise; without the logprob_change metric the lookup fails (KeyError)."""
 
@@ -26,10 +27,10 @@ def conversation(a: int, b: int) -> list[dict]:
 def test_train_candidate_overfits_one_batch_and_the_checkpoint_answers_it(tiny_path, tmp_path):
     rows = [{"kind": "sft", "example_id": f"add-{a}-{b}", "messages": conversation(a, b), "train_from": 2,
              "weight": 1.0} for a, b in PAIRS]
-    cfg = TrainConfig(learning_rate=3e-3, epochs=60, batch_size=8, warmup_ratio=0.0, lr_scheduler="constant")
+    cfg = TrainConfig(learning_rate=3e-3, epochs=100, batch_size=8, warmup_ratio=0.0, lr_scheduler="constant")
     metrics, used = train_candidate(tiny_path, rows, tmp_path / "cand", cfg, seed=0)
     assert sorted(used) == sorted(r["example_id"] for r in rows)
-    assert metrics["steps"] == 60 and metrics["first_loss"] > 5.0      # a random model: ~ln(vocab) at the start
+    assert metrics["steps"] == 100 and metrics["first_loss"] > 5.0      # a random model: ~ln(vocab) at the start
     assert metrics["last_loss"] < 0.05
     change = metrics["logprob_change"]
     assert set(change) == {"positive"} and change["positive"]["rows"] == 8
