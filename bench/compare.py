@@ -378,7 +378,7 @@ def collect(out: Path, arms: list[str], seeds: list[int]) -> tuple[dict, dict]:
 # ---- aggregating and writing --------------------------------------------------------------
 
 def _pool(hs: list[dict | None], confidence: float = 0.95) -> dict | None:
-    from rsiflow.methods.stats import wilson_interval
+    from rsiflow.stats.success import wilson_interval
 
     hs = [h for h in hs if h]
     if not hs:

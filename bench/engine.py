@@ -2,7 +2,7 @@
 
     python -m bench.engine [--model embedded:smollm2-135m-instruct] [--episodes 16] [--max-turns 6]
 
-1. The engine (`methods.rollout.run_episodes` over the `hf` backend) plays household episodes in
+1. The engine (`envs.rollout.run_episodes` over the `hf` backend) plays household episodes in
    lockstep; every backend call is recorded (its conversations and how many tokens each row got).
 2. The baseline replays exactly those calls with plain `model.generate`: the same templated
    prompts, the same chunking by `max_batch_size` after sorting by length, left padding, the
@@ -33,7 +33,7 @@ import torch
 from transformers import GenerationConfig
 
 from rsiflow.envs import make_env
-from rsiflow.methods.rollout import Episode, run_episodes
+from rsiflow.envs.rollout import Episode, run_episodes
 from rsiflow.models.backend import SamplingParams
 from rsiflow.models.hf_backend import HFBackend
 from rsiflow.models.loading import resolve_base_model

@@ -33,7 +33,7 @@ sampled, next to the normal approximation's 80%-power gain `detectable_gain(desi
 spread of the paired differences smaller, so with rho > 0 the simulated power at that gain is above
 80%. Gains 0 and -0.05 are false promotions: at most alpha, up to simulation noise.
 
-Every decision goes through `methods.gating.sequential_decision` with a `Rule`, the functions
+Every decision goes through `stats.gating.sequential_decision` with a `Rule`, the functions
 tasks/gate.py calls; the paired_test variant with growth asks for more tasks only when a look needs
 them, and its "tasks" column is the mean number of held-out tasks each model played.
 """
@@ -47,8 +47,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rsiflow.methods.gating import Rule, look_sizes, sequential_decision
-from rsiflow.methods.stats import design_sd, detectable_gain
+from rsiflow.stats.gating import Rule, look_sizes, sequential_decision
+from rsiflow.stats.success import design_sd, detectable_gain
 
 
 class Variant(NamedTuple):

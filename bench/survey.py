@@ -30,7 +30,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from rsiflow.configs.schema import load_config
-from rsiflow.methods.stats import wilson_interval as wilson
+from rsiflow.stats.success import wilson_interval as wilson
 
 
 def _rate(values: list[float]) -> float:
@@ -39,9 +39,10 @@ def _rate(values: list[float]) -> float:
 
 def survey(cfg, tasks: list, samples: int, seed: int) -> dict:
     """Play `tasks` greedy once and `samples` times sampled; per-type figures and the per-task outcomes."""
-    from rsiflow.methods.rollout import Episode
+    from rsiflow.envs.rollout import Episode
+    from rsiflow.models.backend import backend_for
     from rsiflow.models.loading import resolve_base_model
-    from rsiflow.tasks.common import backend_for, play
+    from rsiflow.tasks.common import play
 
     path = resolve_base_model(cfg.model.base, Path(cfg.run.model_cache).expanduser()) \
         if not Path(cfg.model.base).is_dir() else Path(cfg.model.base)
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--tasks and --samples must be at least 1")
 
     cfg = load_config(args.config, args.set)
-    from rsiflow.tasks.common import env_factory
+    from rsiflow.envs.rollout import env_factory
     from rsiflow.tasks.gate import distinct_tasks
 
     env = env_factory(cfg)()

@@ -34,7 +34,7 @@ import random
 import time
 from collections import Counter
 
-from rsiflow.methods.xtree import MineParams, Trace, executed, mine
+from rsiflow.methods.xtree.algorithm import MineParams, Trace, executed, mine
 
 PLAIN_BPE = MineParams(p=0.0, p_s=0.0, eta0=1.0, eta1=0.0, max_depth=64)
 

@@ -1,6 +1,8 @@
-"""The generation backends by `backend.kind`: "module:Class", imported on first use (a backend may need packages
-the others don't). Plain data, here beside the config that names them, so validating `backend.kind` imports no
-backend and the config package depends on nothing above it; models/backend.py opens them."""
+"""The plugins a config names, as "module:Class" strings imported on first use: generation backends by
+`backend.kind` (a backend may need packages the others don't; models/backend.py opens them) and methods by their
+name in `distill.methods` (methods/__init__.py builds them; the config validates each method's section,
+`distill.<name>`, against the method's own `Options`). Plain data, here beside the config that names them, so the
+config package imports nothing above it. Adding a built-in method or backend is one line here."""
 
 from __future__ import annotations
 
@@ -8,4 +10,13 @@ BACKENDS: dict[str, str] = {
     "hf": "rsiflow.models.hf_backend:HFBackend",
     "vllm": "rsiflow.models.vllm_backend:VLLMBackend",
     "openai": "rsiflow.models.openai_backend:OpenAIBackend",
+}
+
+METHODS: dict[str, str] = {
+    "exit": "rsiflow.methods.exit.method:ExIt",
+    "srd": "rsiflow.methods.srd.method:SRD",
+    "grpo": "rsiflow.methods.grpo.method:GRPO",
+    "xtree": "rsiflow.methods.xtree.method:XTree",
+    "rsipo": "rsiflow.methods.rsipo.method:RSIPO",
+    "mass": "rsiflow.methods.mass.method:MASS",
 }

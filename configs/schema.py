@@ -456,7 +456,7 @@ class MassConfig(_Section):
 class DistillConfig(_Section):
     methods: list[str] = Field(
         ["exit"], min_length=1,
-        description="Methods that make training signal this round (tasks/methods: METHODS, or 'package.module:Class' "
+        description="Methods that make training signal this round (methods: METHODS, or 'package.module:Class' "
         "of your own Method): exit (SFT on successes), srd (hindsight notes from failures distilled into foresight; "
         "trained alongside the other methods' loss with weight srd.loss_weight = λ), grpo (policy gradient with "
         "group-relative advantages, TRL's GRPO loss), xtree (a tree of reusable action spans), rsipo (skills checked "

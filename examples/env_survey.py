@@ -59,10 +59,9 @@ def play_random(env: Env, task: TaskSpec, max_turns: int, rng: random.Random) ->
 def play_model(cfg, tasks: list[TaskSpec]) -> list[bool]:
     from pathlib import Path
 
-    from rsiflow.methods.rollout import Episode, run_episodes
-    from rsiflow.models.backend import SamplingParams
+    from rsiflow.envs.rollout import Episode, run_episodes
+    from rsiflow.models.backend import SamplingParams, backend_for
     from rsiflow.models.loading import resolve_base_model
-    from rsiflow.tasks.common import backend_for
 
     path = resolve_base_model(cfg.model.base, Path(cfg.run.model_cache).expanduser())
     backend = backend_for(cfg, str(path))

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
-from functools import partial
 from pathlib import Path
 
 from rsiflow.configs.schema import Config
-from rsiflow.envs import make_env
-from rsiflow.envs.base import Env
-from rsiflow.methods.rollout import Episode
-from rsiflow.models.backend import SamplingParams
+from rsiflow.envs.rollout import Episode, play_episodes
+from rsiflow.models.backend import backend_for
 from rsiflow.stores.store import Store
 
 STEPS = ("generate", "evaluate", "distill", "train", "gate", "deploy")
@@ -30,20 +27,6 @@ def utcnow() -> datetime:
 def open_store(cfg: Config, read_only: bool = False) -> Store:
     """The run's store: its DuckDB file, or its DuckLake (run.store 'ducklake:...', data under run.lake_data_path)."""
     return Store(cfg.run.store, read_only=read_only, lake_data_path=cfg.run.lake_data_path)
-
-
-def env_factory(cfg: Config):
-    return partial(make_env, cfg.env.name, **cfg.env.kwargs)
-
-
-def backend_for(cfg: Config, model_path: str):
-    """The configured generation backend (`backend.kind`, its own options section) serving `model_path`."""
-    from rsiflow.models.backend import open_backend
-
-    options = cfg.backend.options()
-    dtype = options.pop("dtype", None) or cfg.model.dtype  # a backend may sample in another dtype than training
-    return open_backend(cfg.backend.kind, model_path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code,
-                        **options)
 
 
 def redeploy_backend(cfg: Config, previous_path: str, path: str) -> dict:
@@ -67,36 +50,6 @@ def serving_champion(cfg: Config) -> tuple[str, str]:
         return champion, store.model_path(champion)
 
 
-def sampling(cfg: Config, temperature: float, seed: int, temp_logprobs: bool = True) -> SamplingParams:
-    return SamplingParams(max_new_tokens=cfg.backend.max_new_tokens, temperature=temperature,
-                          top_p=cfg.backend.top_p if temperature > 0 else 1.0, seed=seed, temp_logprobs=temp_logprobs)
-
-
-def round_seed(cfg: Config, round_no: int, salt: int = 0) -> int:
-    return (cfg.run.seed * 1_000_003 + round_no * 7919 + salt) % (2**31)
-
-
-def episode_rows(episodes: list[Episode], model_id: str, purpose: str) -> tuple[list[dict], list[dict]]:
-    """Rows for the trajectories and turns tables."""
-    trajs, turns = [], []
-    for ep in episodes:
-        trajs.append({
-            "traj_id": ep.traj_id, "task_id": ep.task.task_id, "model_id": model_id, "group_id": ep.group_id,
-            "sample_idx": ep.sample_idx, "purpose": purpose, "status": ep.status, "success": ep.success,
-            "reward": ep.reward, "n_turns": len(ep.turns), "error": ep.error, "hindsight": ep.hindsight,
-            "prompt_tokens": ep.prompt_tokens, "gen_tokens": ep.gen_tokens, "wall_s": ep.wall_s,
-        })
-        for i, t in enumerate(ep.turns):
-            turns.append({
-                "traj_id": ep.traj_id, "turn_idx": i, "observation": t.observation, "action_text": t.action_text,
-                "raw_text": t.raw_text,
-                "action_symbol": t.action_symbol, "token_ids": t.token_ids, "logprobs": t.logprobs,
-                "temp_logprobs": t.temp_logprobs,
-                "reward": t.reward, "done": t.done, "valid": t.valid, "feedback": t.feedback, "wall_s": t.wall_s,
-            })
-    return trajs, turns
-
-
 def conversation(prefix: list[dict], turns: list[dict]) -> list[dict]:
     """Rebuild the exact conversation the model saw: the prompt prefix, then the stored turns."""
     msgs = list(prefix)
@@ -110,18 +63,6 @@ def run_dir(cfg: Config) -> Path:
     d = cfg.run_dir
     d.mkdir(parents=True, exist_ok=True)
     return d
-
-
-def prompt_setup(cfg: Config) -> tuple[list[dict], list[dict] | None]:
-    """The prompt prefix every episode of this config starts with (system + few-shot turns) and the env's
-    tool schemas for the chat template (None where it has none)."""
-    from rsiflow.methods.rollout import prompt_prefix
-
-    env: Env = env_factory(cfg)()
-    try:
-        return prompt_prefix(env, cfg.env.show_admissible, cfg.env.few_shot), env.tools()
-    finally:
-        env.close()
 
 
 class StepProgress:
@@ -175,15 +116,12 @@ class TurnProgress:
 
 
 def play(cfg: Config, backend, episodes: list[Episode], temperature: float, seed: int, desc: str,
-         temp_logprobs: bool = True) -> list[Episode]:
-    """Run episodes in lockstep with a progress bar (`temp_logprobs`: whether training will read them)."""
-    from rsiflow.methods.rollout import run_episodes
-
+         temp_logprobs: bool = True, make_env=None) -> list[Episode]:
+    """`envs.rollout.play_episodes` with a progress bar (tqdm and the UI's progress artifact) named `desc`."""
     bar = TurnProgress(desc, cfg.env.max_turns)
     try:
-        return run_episodes(env_factory(cfg), episodes, backend, sampling(cfg, temperature, seed, temp_logprobs),
-                            cfg.env.max_turns, cfg.env.show_admissible, cfg.env.few_shot,
-                            cfg.env.project_actions, on_turn=bar)
+        return play_episodes(cfg, backend, episodes, temperature, seed, make_env=make_env, on_turn=bar,
+                             temp_logprobs=temp_logprobs)
     finally:
         bar.close()
 

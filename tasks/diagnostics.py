@@ -22,9 +22,10 @@ import math
 
 import torch
 
-from rsiflow.methods.gating import sign_flip_pvalue
-from rsiflow.methods.rollout import Episode
-from rsiflow.tasks.common import backend_for, env_factory, open_store, play, round_seed
+from rsiflow.envs.rollout import Episode, env_factory, round_seed
+from rsiflow.models.backend import backend_for
+from rsiflow.stats.gating import sign_flip_pvalue
+from rsiflow.tasks.common import open_store, play
 
 
 def heldout_changed(plays, candidate: str, champion: str, n: int) -> dict:

@@ -1,6 +1,6 @@
 """distill: each enabled method turns the round's stored experience into training signal.
 
-The methods (tasks/methods/, named by `distill.methods`) read what they need while the store is
+The methods (methods/, named by `distill.methods`) read what they need while the store is
 open, then work with it closed (a method may generate with the champion); everything they
 contribute (examples, their own tables, their per-round figures) is written in one transaction.
 """
@@ -11,8 +11,9 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from rsiflow.configs.schema import Config
-from rsiflow.tasks.common import open_store, prompt_setup, trajectories_with_turns, utcnow
-from rsiflow.tasks.methods import DistillContext, enabled_methods
+from rsiflow.envs.rollout import prompt_setup
+from rsiflow.methods import DistillContext, enabled_methods
+from rsiflow.tasks.common import open_store, play, trajectories_with_turns, utcnow
 
 
 @task(name="distill", cache_policy=NONE)
@@ -25,7 +26,7 @@ def distill_examples(cfg: Config, round_no: int) -> dict:
         champion = store.champion(run_id)
         ctx = DistillContext(cfg=cfg, round=round_no, champion=champion, champion_path=store.model_path(champion),
                              trajectories=trajectories_with_turns(store, run_id, round_no, "generate", prefix, tools),
-                             prefix=prefix, tools=tools)
+                             prefix=prefix, tools=tools, play=play)
         inputs = {m.name: m.read(store, ctx) for m in methods}
     contributions = {m.name: m.distill(ctx, inputs[m.name]) for m in methods}
     with open_store(cfg) as store, store.step(run_id, round_no, "distill", started) as tx:

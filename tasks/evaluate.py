@@ -6,8 +6,8 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from rsiflow.configs.schema import Config
-from rsiflow.methods.groups import group_counts, group_stats
-from rsiflow.methods.stats import wilson_interval
+from rsiflow.stats.groups import group_counts, group_stats
+from rsiflow.stats.success import wilson_interval
 from rsiflow.tasks.common import open_store, utcnow
 
 

@@ -14,8 +14,9 @@ import hashlib
 import json
 
 from rsiflow.configs.schema import Config
-from rsiflow.methods.stats import compare
-from rsiflow.tasks.common import env_factory, open_store, utcnow
+from rsiflow.envs.rollout import env_factory
+from rsiflow.stats.success import compare
+from rsiflow.tasks.common import open_store, utcnow
 from rsiflow.tasks.gate import HeldoutPlays, distinct_tasks, heldout_tasks, paired_figures, sample_seed, spec_key
 
 

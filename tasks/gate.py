@@ -1,5 +1,5 @@
 """gate: candidate and champion play the same held-out tasks with the same seeds; the config's
-promotion rule decides on the paired outcomes (methods/gating.py); the decision and its evidence
+promotion rule decides on the paired outcomes (stats/gating.py); the decision and its evidence
 are recorded either way, and a Prefect event `rsiflow.gate.<decision>` is emitted. A round that
 trained no candidate (no examples) records a 'skip'; the champion stays. Once a trained candidate has
 played, each enabled method may assess it (`Method.assess`, e.g. MASS's self-judged win rate against the
@@ -27,12 +27,13 @@ from prefect.events import emit_event
 
 from rsiflow.configs.schema import Config
 from rsiflow.envs.base import TaskSpec
-from rsiflow.methods.gating import Rule, look_sizes, sequential_decision, sign_flip_pvalue
-from rsiflow.methods.rollout import Episode
-from rsiflow.methods.stats import compare, design_sd, detectable_gain, mean_interval, wilson_interval
-from rsiflow.tasks.common import backend_for, env_factory, episode_rows, open_store, play, utcnow
+from rsiflow.envs.rollout import Episode, env_factory, episode_rows
+from rsiflow.methods import AssessContext, enabled_methods
+from rsiflow.models.backend import backend_for
+from rsiflow.stats.gating import Rule, look_sizes, sequential_decision, sign_flip_pvalue
+from rsiflow.stats.success import compare, design_sd, detectable_gain, mean_interval, wilson_interval
+from rsiflow.tasks.common import open_store, play, utcnow
 from rsiflow.tasks.evaluate import success_rows
-from rsiflow.tasks.methods import AssessContext, enabled_methods
 from rsiflow.tasks.train import candidate_id
 
 
@@ -341,8 +342,11 @@ def gate_candidate(cfg: Config, round_no: int) -> dict:
     assessed = {}
     if trained:
         actx = AssessContext(cfg=cfg, round=round_no, candidate=cid, candidate_path=paths[cid], champion=champion,
-                             champion_path=paths[champion], base=base, base_path=base_path, heldout=tasks)
-        assessed = {m.name: (m, c) for m in enabled_methods(cfg) if (c := m.assess(actx)) is not None}
+                             champion_path=paths[champion], base=base, base_path=base_path, heldout=tasks, play=play)
+        methods = enabled_methods(cfg)
+        with open_store(cfg) as store:
+            reads = {m.name: m.assess_read(store, actx) for m in methods}
+        assessed = {m.name: (m, c) for m in methods if (c := m.assess(actx, reads[m.name])) is not None}
         if cfg.diagnostics.enabled:
             from rsiflow.tasks.diagnostics import learning_diagnostics
 

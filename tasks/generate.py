@@ -11,18 +11,10 @@ from prefect.cache_policies import NONE
 
 from rsiflow.configs.schema import Config
 from rsiflow.envs.base import RepeatedTaskIds, TaskSpec, require_distinct_ids
-from rsiflow.methods.rollout import Episode
-from rsiflow.tasks.common import (
-    backend_for,
-    env_factory,
-    episode_rows,
-    open_store,
-    play,
-    round_seed,
-    serving_champion,
-    utcnow,
-)
-from rsiflow.tasks.methods import needs_temp_logprobs
+from rsiflow.envs.rollout import Episode, env_factory, episode_rows, round_seed
+from rsiflow.methods import needs_temp_logprobs
+from rsiflow.models.backend import backend_for
+from rsiflow.tasks.common import open_store, play, serving_champion, utcnow
 
 
 def train_tasks(cfg: Config, seed: int) -> list[TaskSpec]:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
-from rsiflow.methods.groups import group_counts, group_stats
+from rsiflow.methods import method_class
+from rsiflow.stats.groups import group_counts, group_stats
 from rsiflow.stores.store import Store
 from rsiflow.tasks.common import STEPS
-from rsiflow.tasks.methods import method_class
 
 
 def round_rows(store: Store, run_id: str) -> list[dict]:

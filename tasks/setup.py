@@ -54,7 +54,7 @@ def check_env_config(cfg: Config) -> None:
 
 def check_methods(cfg: Config) -> None:
     """Every name in distill.methods is a registered method or a 'package.module:Class' Method."""
-    from rsiflow.tasks.methods import method_class
+    from rsiflow.methods import method_class
 
     for name in cfg.distill.methods:
         try:

@@ -18,9 +18,10 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from rsiflow.configs.schema import Config, ConfigError
+from rsiflow.envs.rollout import round_seed
+from rsiflow.methods import enabled_methods
 from rsiflow.models.card import write_model_card
-from rsiflow.tasks.common import StepProgress, open_store, round_seed, run_dir, utcnow
-from rsiflow.tasks.methods import enabled_methods
+from rsiflow.tasks.common import StepProgress, open_store, run_dir, utcnow
 
 
 def candidate_id(cfg: Config, round_no: int) -> str:

@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import REPO
 
-PACKAGES = ("configs", "envs", "flows", "methods", "models", "stores", "tasks", "bench", "examples")
+PACKAGES = ("configs", "envs", "flows", "methods", "models", "stats", "stores", "tasks", "bench", "examples")
 INSTALLED = "rsiflow"   # the folders install as rsiflow.<folder> (pyproject.toml package-dir)
 
 # A keyword that starts a statement, then (anywhere later, across lines) one that continues it.

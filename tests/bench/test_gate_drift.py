@@ -17,7 +17,7 @@ from bench.gate_drift import (
     task_rates,
     variants,
 )
-from rsiflow.methods.gating import Rule
+from rsiflow.stats.gating import Rule
 
 
 def test_prints_both_tables_with_every_rule(capsys):

@@ -10,8 +10,8 @@ import pytest
 
 from rsiflow.configs.schema import load_config
 from rsiflow.flows.cli import main
+from rsiflow.methods import Method
 from rsiflow.stores import Store
-from rsiflow.tasks.methods import Method
 from rsiflow.tasks.setup import identity
 from tests.conftest import REPO, TINY, tiny_overrides
 

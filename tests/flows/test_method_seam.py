@@ -12,7 +12,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from rsiflow.tasks.methods import METHODS, Contribution, DistillContext, Method, method_class
+from rsiflow.methods import METHODS, Contribution, DistillContext, Method, method_class
 from tests.conftest import REPO, TINY, tiny_overrides
 
 TOY_WEIGHT = 0.25

@@ -4,9 +4,9 @@ only, a cap per task type, and the counts of what each dropped."""
 import pytest
 
 from rsiflow.configs.schema import load_config
-from rsiflow.methods.exit import exit_examples, select_examples
-from rsiflow.tasks.methods.base import DistillContext, Method
-from rsiflow.tasks.methods.exit import ExIt
+from rsiflow.methods.base import DistillContext, Method
+from rsiflow.methods.exit.algorithm import exit_examples, select_examples
+from rsiflow.methods.exit.method import ExIt
 from tests.conftest import TINY, tiny_overrides
 
 PREFIX = [{"role": "system", "content": "s"}]

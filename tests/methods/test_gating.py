@@ -3,8 +3,8 @@ computed by hand in the comments."""
 
 import pytest
 
-from rsiflow.methods.gating import GateResult, Rule, look_sizes, sequential_decision, sign_test_pvalue
-from rsiflow.methods.stats import compare
+from rsiflow.stats.gating import GateResult, Rule, look_sizes, sequential_decision, sign_test_pvalue
+from rsiflow.stats.success import compare
 
 
 def paired(wins: int, losses: int, both: int, neither: int) -> tuple[list[bool], list[bool]]:
@@ -101,7 +101,7 @@ def test_bad_rules_are_errors():
 
 
 def test_sign_flip_is_the_sign_test_on_greedy_outcomes_and_exact_on_counts():
-    from rsiflow.methods.gating import sign_flip_pvalue
+    from rsiflow.stats.gating import sign_flip_pvalue
 
     for wins, losses in [(5, 0), (6, 1), (10, 2), (0, 3), (2, 2), (0, 0)]:
         assert sign_flip_pvalue([1] * wins + [-1] * losses + [0] * 4) == sign_test_pvalue(wins, losses)
@@ -115,7 +115,7 @@ def test_sign_flip_bound_holds_for_equal_models_with_sampled_plays():
     share of 2000 simulated gates that promote at alpha = 0.05 is at most alpha (plus 3 binomial SDs of noise)."""
     import random
 
-    from rsiflow.methods.gating import sign_flip_pvalue
+    from rsiflow.stats.gating import sign_flip_pvalue
 
     rng, k, n, trials = random.Random(0), 4, 30, 2000
     promoted = 0
@@ -127,7 +127,7 @@ def test_sign_flip_bound_holds_for_equal_models_with_sampled_plays():
 
 
 def test_detectable_gain_and_tasks_for_gain_are_inverse():
-    from rsiflow.methods.stats import design_sd, detectable_gain, tasks_for_gain
+    from rsiflow.stats.success import design_sd, detectable_gain, tasks_for_gain
 
     sd = design_sd(0.3, 4)                         # sqrt(2 * 0.3 * 0.7 / 4) = 0.324
     assert abs(sd - (2 * 0.3 * 0.7 / 4) ** 0.5) < 1e-12
@@ -138,7 +138,7 @@ def test_detectable_gain_and_tasks_for_gain_are_inverse():
 
 
 def test_compare_with_sampled_counts():
-    from rsiflow.methods.stats import compare
+    from rsiflow.stats.success import compare
 
     ev = compare([3, 4, 0, 2], [1, 4, 1, 2], "paired_test", samples=4)
     assert ev.candidate_rate == 9 / 16 and ev.champion_rate == 8 / 16

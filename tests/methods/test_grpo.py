@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from rsiflow.methods.grpo import group_advantages, trajectory_advantages
+from rsiflow.methods.grpo.algorithm import group_advantages, trajectory_advantages
 from rsiflow.models.mismatch import Correction, correction_weight, mismatch_stats
 
 

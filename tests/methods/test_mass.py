@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from rsiflow.methods.mass import (
+from rsiflow.methods.mass.algorithm import (
     FINAL_ROLE,
     SEED_WORKFLOW,
     Agent,

@@ -7,7 +7,7 @@ import pytest
 
 from rsiflow.envs import make_env
 from rsiflow.envs.household import HouseholdEnv
-from rsiflow.methods.rollout import Episode, env_observation, render_observation, run_episodes
+from rsiflow.envs.rollout import Episode, env_observation, render_observation, run_episodes
 from rsiflow.models.backend import SamplingParams
 from rsiflow.models.hf_backend import HFBackend
 from rsiflow.models.loading import resolve_base_model

@@ -4,8 +4,8 @@ retrieval and retirement."""
 
 import pytest
 
-from rsiflow.methods.rollout import render_observation
-from rsiflow.methods.rsipo import (
+from rsiflow.envs.rollout import render_observation
+from rsiflow.methods.rsipo.algorithm import (
     SKILL_HEADER,
     LibrarySkill,
     check_skill,

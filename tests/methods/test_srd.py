@@ -6,8 +6,8 @@ import re
 import pytest
 
 from rsiflow.envs import make_env
-from rsiflow.methods.rollout import prompt_prefix, render_observation
-from rsiflow.methods.srd import (
+from rsiflow.envs.rollout import prompt_prefix, render_observation
+from rsiflow.methods.srd.algorithm import (
     FORESIGHT_REQUEST,
     PRIVILEGED_HEADER,
     Attempt,
@@ -26,7 +26,7 @@ from rsiflow.methods.srd import (
 
 def play_attempt(env, task, actions, max_turns=8, status="failure", with_contract=True):
     """An Attempt of `actions` on `task`, played in `env`; with `with_contract`, the env's solution()
-    and rules() taken right after reset, as tasks/methods/srd.py does."""
+    and rules() taken right after reset, as methods/srd/method.py does."""
     first = env.reset(task)
     solution, rules = (env.solution(), env.rules()) if with_contract else (None, [])
     obs, valid, feedback = [], [], []

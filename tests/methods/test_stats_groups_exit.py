@@ -2,9 +2,9 @@
 
 import pytest
 
-from rsiflow.methods.exit import exit_examples
-from rsiflow.methods.groups import group_counts, group_stats
-from rsiflow.methods.stats import compare, should_promote, wilson_interval
+from rsiflow.methods.exit.algorithm import exit_examples
+from rsiflow.stats.groups import group_counts, group_stats
+from rsiflow.stats.success import compare, should_promote, wilson_interval
 
 
 def test_wilson_known_values():

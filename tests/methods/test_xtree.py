@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from rsiflow.methods.xtree import (
+from rsiflow.methods.xtree.algorithm import (
     MineParams,
     Trace,
     bonus_weight,

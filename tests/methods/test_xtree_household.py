@@ -4,7 +4,7 @@ all 120 of them together finds each type's known sub-routine (from the env's rec
 from collections import Counter
 
 from rsiflow.envs.household import TASK_TYPES, HouseholdEnv
-from rsiflow.methods.xtree import Trace, executed, mine
+from rsiflow.methods.xtree.algorithm import Trace, executed, mine
 
 GO, TAKE, PUT = "go<receptacle>", "take<object,receptacle>", "put<object,receptacle>"
 SUBROUTINE = {

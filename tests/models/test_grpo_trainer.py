@@ -8,7 +8,7 @@ from trl import GRPOTrainer
 
 from rsiflow.configs.schema import TrainConfig
 from rsiflow.envs.household import HouseholdEnv
-from rsiflow.methods.rollout import Episode, run_episodes
+from rsiflow.envs.rollout import Episode, run_episodes
 from rsiflow.models.backend import SamplingParams
 from rsiflow.models.hf_backend import HFBackend
 from rsiflow.models.loading import load_model_and_tokenizer

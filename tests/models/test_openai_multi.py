@@ -311,7 +311,7 @@ def test_with_every_server_out_each_is_probed_at_once(tiny_path, servers):
 
 
 def test_a_config_with_base_urls_opens_a_backend_over_all_of_them(tiny_path, servers):
-    from rsiflow.tasks.common import backend_for
+    from rsiflow.models.backend import backend_for
 
     two = servers(2)
     urls = ", ".join(s.url for s in two)

@@ -10,7 +10,7 @@ the generations are noise; without the logprob_change metric the lookup fails (K
 import pytest
 
 from rsiflow.configs.schema import TrainConfig
-from rsiflow.methods.rollout import ACTION_STOP
+from rsiflow.envs.rollout import ACTION_STOP
 from rsiflow.models.backend import SamplingParams
 from rsiflow.models.hf_backend import HFBackend
 from rsiflow.models.trainer import train_candidate

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 
 from rsiflow.configs.schema import TrainConfig
 from rsiflow.envs import make_env
-from rsiflow.methods.rollout import prompt_prefix, render_observation
+from rsiflow.envs.rollout import prompt_prefix, render_observation
 from rsiflow.models.encoding import encode_rows, tokenize_conversation
 from rsiflow.models.loading import load_model_and_tokenizer
 from rsiflow.models.losses import weighted_token_ce

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rsiflow.envs import make_env
-from rsiflow.methods.rollout import Episode, run_episodes
+from rsiflow.envs.rollout import Episode, run_episodes
 from rsiflow.models.backend import SamplingParams
 from rsiflow.models.hf_backend import HFBackend
 from rsiflow.models.loading import load_model_and_tokenizer, save_checkpoint

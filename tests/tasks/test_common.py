@@ -21,7 +21,7 @@ def spy_on_loader(monkeypatch, module) -> dict:
 
 def test_backend_for_opens_the_configured_kind_with_its_options_and_trust_remote_code(monkeypatch, tiny_path):
     import rsiflow.models.hf_backend as hb
-    from rsiflow.tasks.common import backend_for
+    from rsiflow.models.backend import backend_for
 
     seen = spy_on_loader(monkeypatch, hb)
     hb.clear_backends()
@@ -44,7 +44,7 @@ def test_the_trainer_passes_trust_remote_code(monkeypatch, tiny_path, tmp_path):
 
 @pytest.mark.parametrize("env,has_tools", [("household", False), ("tooluse", True)])
 def test_prompt_setup_gives_the_prefix_and_the_env_tools(env, has_tools):
-    from rsiflow.tasks.common import prompt_setup
+    from rsiflow.envs.rollout import prompt_setup
 
     prefix, tools = prompt_setup(load_config([TINY], [f"env.name={env}", "env.kwargs={}"]))
     assert prefix[0]["role"] == "system" and (tools is not None) == has_tools
@@ -72,8 +72,8 @@ def test_training_encodes_a_row_with_the_tools_generation_saw(tiny_path):
 def test_temperature_only_logprobs_are_asked_for_only_when_a_method_reads_them():
     """`score_temp_logprobs: auto` costs a full prefill per row on vLLM: the generate step asks for them only
     where GRPO's (or RSIPO's) correction needs them; an explicit option wins."""
+    from rsiflow.methods import needs_temp_logprobs
     from rsiflow.models.backend import SamplingParams, wants_scoring
-    from rsiflow.tasks.methods import needs_temp_logprobs
 
     def needs(methods):
         return needs_temp_logprobs(load_config([TINY], [f"distill.methods={methods}"]))
@@ -87,9 +87,10 @@ def test_temperature_only_logprobs_are_asked_for_only_when_a_method_reads_them()
 def test_redeploy_loads_nothing_in_a_process_that_holds_no_model(tiny_path, model_cache, tmp_path):
     """A deploy step in a fresh process (a pool worker, a resume after a kill) records the switch without loading
     the previous champion only to replace its weights; where a model is held, that one is switched."""
+    from rsiflow.models.backend import backend_for
     from rsiflow.models.hf_backend import HFBackend, clear_backends
     from rsiflow.models.loading import resolve_base_model
-    from rsiflow.tasks.common import backend_for, redeploy_backend
+    from rsiflow.tasks.common import redeploy_backend
 
     cfg = load_config([TINY], tiny_overrides(tmp_path))
     other = resolve_base_model("tiny:1", model_cache)

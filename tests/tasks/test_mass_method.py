@@ -12,9 +12,9 @@ import pytest
 
 from rsiflow.configs.schema import ConfigError, load_config
 from rsiflow.envs.base import Env, StepResult, TaskSpec, sample_hashed_tasks, step_guard
+from rsiflow.envs.rollout import prompt_setup
+from rsiflow.methods import AssessContext, DistillContext, enabled_methods
 from rsiflow.stores import Store
-from rsiflow.tasks.common import prompt_setup
-from rsiflow.tasks.methods import AssessContext, DistillContext, enabled_methods
 from tests.conftest import TINY
 
 ENV = "tests.tasks.test_mass_method:ParityEnv"
@@ -228,7 +228,7 @@ def test_trainer_keeps_the_lowest_validation_loss_checkpoint(tmp_path, tiny_path
 
 
 def test_report_section_shows_the_figures_with_intervals():
-    from rsiflow.tasks.methods.mass import MASS
+    from rsiflow.methods.mass.method import MASS
 
     m = {"teacher": "workflow", "retained_hops": "analyst -> solver", "collected": True, "accepted": 1, "versions": 4,
          "judge": "self", "judge_agreement": 0.5, "examples": 8, "validation_examples": 8, "train_answer_tokens": 120,

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from rsiflow.configs.schema import load_config
+from rsiflow.methods import enabled_methods
 from rsiflow.stores.store import Store
-from rsiflow.tasks.methods import enabled_methods
 from rsiflow.tasks.train import replay_buffer, select_replay
 from tests.conftest import TINY, tiny_overrides
 

@@ -14,11 +14,12 @@ import pytest
 
 from rsiflow.configs.schema import ConfigError, load_config
 from rsiflow.envs.base import Env, StepResult, TaskSpec, sample_hashed_tasks, step_guard
-from rsiflow.methods.rollout import Episode
-from rsiflow.methods.rsipo import SKILL_HEADER, noise_variance
+from rsiflow.envs.rollout import Episode, env_factory, episode_rows, prompt_setup
+from rsiflow.methods import DistillContext, enabled_methods
+from rsiflow.methods.rsipo.algorithm import SKILL_HEADER, noise_variance
+from rsiflow.models.backend import backend_for
 from rsiflow.stores import Store
-from rsiflow.tasks.common import backend_for, env_factory, episode_rows, play, prompt_setup, trajectories_with_turns
-from rsiflow.tasks.methods import DistillContext, enabled_methods
+from rsiflow.tasks.common import play, trajectories_with_turns
 from tests.conftest import TINY
 
 
@@ -285,7 +286,7 @@ def test_trust_weights_scale_the_distillation_term(tiny_path):
 def test_on_household_the_teacher_sees_the_skill_where_the_replay_did(tmp_path, tiny_path):
     """The real env's task message (observation, admissible actions, "Your action:"): each replay's first message is
     the student's first message with the skill inserted by `with_skill`, the teacher's insertion."""
-    from rsiflow.methods.rsipo import skill_block, with_skill
+    from rsiflow.methods.rsipo.algorithm import skill_block, with_skill
 
     cfg = load_config([TINY], [f"run.store={tmp_path / 'store.duckdb'}", f"run.run_dir={tmp_path / 'run'}",
                                "distill.methods=[grpo,rsipo]", "distill.rsipo.skill_writer=template",

@@ -6,9 +6,9 @@ import json
 import pytest
 
 from rsiflow.configs.schema import ConfigError, load_config
+from rsiflow.methods import DistillContext, enabled_methods
 from rsiflow.stores import Store
 from rsiflow.tasks.common import trajectories_with_turns
-from rsiflow.tasks.methods import DistillContext, enabled_methods
 from tests.conftest import TINY
 
 PREFIX = [{"role": "system", "content": "Act."}]

@@ -1,7 +1,7 @@
 """GRPO in a round: the generate step's groups become policy-gradient rows with group-relative advantages.
 
 Each trajectory of the round (but crashed episodes) gets its advantage from its group's verifier
-rewards (methods/grpo.py); it is stored as an `examples` row of method "grpo" (meta: advantage,
+rewards (methods/grpo/algorithm.py); it is stored as an `examples` row of method "grpo" (meta: advantage,
 group, reward) with lineage to the trajectory. At training time each becomes a "pg" row: the whole
 multi-turn episode as one sequence, the loss on the model's own action tokens with the trajectory's
 advantage, TRL's GRPO loss (models/trainer.py). Uniform groups (all fail / all pass) are
@@ -13,9 +13,9 @@ from __future__ import annotations
 from statistics import mean
 
 from rsiflow.configs.schema import ConfigError
-from rsiflow.methods.groups import group_counts, group_stats
-from rsiflow.methods.grpo import trajectory_advantages
-from rsiflow.tasks.methods.base import Contribution, DistillContext, Method, num
+from rsiflow.methods.base import Contribution, DistillContext, Method, num
+from rsiflow.methods.grpo.algorithm import trajectory_advantages
+from rsiflow.stats.groups import group_counts, group_stats
 
 
 class GRPO(Method):

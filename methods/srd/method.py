@@ -1,6 +1,6 @@
 """SRD in a round: hindsight notes from the round's rollouts, foresight pairs, and their distillation.
 
-Thin over methods/srd.py: it reads the round's tasks and turns, asks the champion (through the
+Thin over methods/srd/algorithm.py: it reads the round's tasks and turns, asks the champion (through the
 generation backend) to write the notes (or assembles them with the `template` writer), lets the
 student sample its foresight, and contributes rows of the `notes`, `foresight` and `examples`
 tables plus the round's SRD figures. At training time each SRD example becomes a "distill" row
@@ -17,9 +17,9 @@ from statistics import mean
 
 from rsiflow.configs.schema import Config
 from rsiflow.envs.base import TaskSpec
-from rsiflow.methods.groups import group_counts, group_stats
-from rsiflow.methods.rollout import env_observation
-from rsiflow.methods.srd import (
+from rsiflow.envs.rollout import env_factory, env_observation, round_seed
+from rsiflow.methods.base import Contribution, DistillContext, Method, distill_row, num, teacher_loss
+from rsiflow.methods.srd.algorithm import (
     Attempt,
     ForesightPair,
     Note,
@@ -32,8 +32,7 @@ from rsiflow.methods.srd import (
     template_note,
 )
 from rsiflow.models.backend import SamplingParams
-from rsiflow.tasks.common import env_factory, round_seed
-from rsiflow.tasks.methods.base import Contribution, DistillContext, Method, distill_row, num, teacher_loss
+from rsiflow.stats.groups import group_counts, group_stats
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """RSIPO in a round: skills from the round's rollouts, replayed, trusted by empirical Bayes, kept in a library.
 
-Thin over methods/rsipo.py. In the distill step, per task of the round (the generate step's groups):
+Thin over methods/rsipo/algorithm.py. In the distill step, per task of the round (the generate step's groups):
 1. a skill from the group's best rollout, written by the champion (or by the named `template` writer), checked for
    leaked ids (`rsipo_skills`);
 2. the tests: the new skill, and `library_candidates` skills of the task's type from the library (lexical match);
@@ -26,8 +26,9 @@ from statistics import mean
 
 from rsiflow.configs.schema import ConfigError
 from rsiflow.envs.base import TaskSpec
-from rsiflow.methods.rollout import Episode, run_episodes
-from rsiflow.methods.rsipo import (
+from rsiflow.envs.rollout import Episode, env_factory, episode_rows, round_seed
+from rsiflow.methods.base import Contribution, DistillContext, Method, distill_row, num, teacher_loss
+from rsiflow.methods.rsipo.algorithm import (
     LibrarySkill,
     check_skill,
     clean_skill,
@@ -43,18 +44,7 @@ from rsiflow.methods.rsipo import (
     template_skill,
     trust,
 )
-from rsiflow.models.backend import SamplingParams
-from rsiflow.tasks.common import (
-    TurnProgress,
-    backend_for,
-    env_factory,
-    episode_rows,
-    open_store,
-    play,
-    round_seed,
-    sampling,
-)
-from rsiflow.tasks.methods.base import Contribution, DistillContext, Method, distill_row, num, teacher_loss
+from rsiflow.models.backend import SamplingParams, backend_for
 
 log = logging.getLogger(__name__)
 
@@ -77,17 +67,12 @@ class SkillPromptEnv:
         return getattr(self._inner, name)
 
 
-def play_with_skills(cfg, backend, episodes: list[Episode], blocks: dict[str, str], temperature: float, seed: int,
+def play_with_skills(ctx, backend, episodes: list[Episode], blocks: dict[str, str], temperature: float, seed: int,
                      desc: str) -> list[Episode]:
-    """Play episodes as generate does (the same runner, env settings and sampling), each task's skill block in its
-    task message, with a progress bar."""
-    bar = TurnProgress(desc, cfg.env.max_turns)
-    try:
-        return run_episodes(partial(SkillPromptEnv.build, env_factory(cfg), blocks), episodes, backend,
-                            sampling(cfg, temperature, seed), cfg.env.max_turns, cfg.env.show_admissible,
-                            cfg.env.few_shot, cfg.env.project_actions, on_turn=bar)
-    finally:
-        bar.close()
+    """Play episodes as generate does (the step's `ctx.play`: the same runner, env settings and sampling), each
+    task's skill block in its task message."""
+    return ctx.play(ctx.cfg, backend, episodes, temperature, seed, desc,
+                    make_env=partial(SkillPromptEnv.build, env_factory(ctx.cfg), blocks))
 
 
 def _best(members: list[dict]) -> dict:
@@ -104,7 +89,7 @@ class RSIPO(Method):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        from rsiflow.tasks.methods import method_class
+        from rsiflow.methods import method_class
 
         names = [method_class(n).name for n in cfg.distill.methods]
         if "grpo" not in names:
@@ -283,7 +268,7 @@ class RSIPO(Method):
             episodes = [Episode(traj_id=f"{ctx.run_id}/r{ctx.round}/replay/{t['_ti']:04d}-{slot}-{k:02d}",
                                 task=specs[t["task_id"]], group_id=t["test_id"], sample_idx=k)
                         for t in batch for k in range(m)]
-            play_with_skills(cfg, ctx.backend(), episodes, blocks, cfg.backend.temperature,
+            play_with_skills(ctx, ctx.backend(), episodes, blocks, cfg.backend.temperature,
                              round_seed(cfg, ctx.round, 22 + slot), f"round {ctx.round} rsipo replay {slot}")
             by_test = defaultdict(list)
             for ep in episodes:
@@ -382,7 +367,11 @@ class RSIPO(Method):
 
     # ---- inference with a skill (the gate step) ------------------------------------------------------
 
-    def assess(self, ctx):
+    def assess_read(self, store, ctx):
+        """RSIPO's library as it stands after this round's distill (the skills `assess` may put in a prompt)."""
+        return store.rsipo_library(ctx.run_id, ctx.round + 1) if self.cfg.distill.rsipo.assess_tasks else []
+
+    def assess(self, ctx, inputs=None):
         """With distill.rsipo.assess_tasks > 0: the trained candidate plays the gate's first held-out tasks whose type
         has an active library skill with a positive shrunk gain, bare and with the best such skill (highest last
         shrunk gain) in the task message, greedy at gate.seed; the with-skill episodes are stored (purpose
@@ -391,8 +380,7 @@ class RSIPO(Method):
         if n == 0:
             return None
         cfg = self.cfg
-        with open_store(cfg) as store:
-            library = store.rsipo_library(ctx.run_id, ctx.round + 1)
+        library = inputs or []
         best: dict[str, dict] = {}
         for e in library:
             if e["status"] == "active" and (e["last_shrunk_gain"] or 0.0) > 0:
@@ -410,8 +398,8 @@ class RSIPO(Method):
                 for i, t in enumerate(tasks)]
         skilled = [Episode(traj_id=f"{tag}-skill/{i:04d}", task=t, group_id=f"{tag}-skill/{t.task_id}", sample_idx=0)
                    for i, t in enumerate(tasks)]
-        play(cfg, backend, bare, cfg.gate.temperature, cfg.gate.seed, f"round {ctx.round} rsipo assess, bare")
-        play_with_skills(cfg, backend, skilled, blocks, cfg.gate.temperature, cfg.gate.seed,
+        ctx.play(cfg, backend, bare, cfg.gate.temperature, cfg.gate.seed, f"round {ctx.round} rsipo assess, bare")
+        play_with_skills(ctx, backend, skilled, blocks, cfg.gate.temperature, cfg.gate.seed,
                          f"round {ctx.round} rsipo assess, with skills")
         k0, k1 = sum(e.success for e in bare), sum(e.success for e in skilled)
         figures.update(assess_bare=k0, assess_with_skill=k1,

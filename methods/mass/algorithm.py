@@ -1,7 +1,7 @@
 """MASS (Multi-Agent Self-Supervision, docs/methods.md, MASS): one model as solver, workflow optimizer and judge.
 
 What this module computes (plain Python; the model is reached through a generation backend passed in,
-the env's verifier through a function passed in; tasks/methods/mass.py does the store and the round):
+the env's verifier through a function passed in; methods/mass/method.py does the store and the round):
 
 - `Workflow`: a typed spec, the order of hops between sub-agents and, per sub-agent, its role, instruction
   and output contract; JSON round-trip (`to_dict` / `from_dict`, errors name the bad key) and rendering into
@@ -523,7 +523,7 @@ def parse_proposal(text: str) -> Workflow:
 def win_rate(scores: list[float], confidence: float = 0.95) -> dict:
     """Win rate of the first model over n paired comparisons (each score in [0, 1], ties 1/2): the mean, wins,
     ties, losses and a Wilson interval on the mean taken as k/n with k = Σ scores."""
-    from rsiflow.methods.stats import wilson_interval
+    from rsiflow.stats.success import wilson_interval
 
     n = len(scores)
     k = sum(scores)

@@ -13,8 +13,16 @@ base); the report shows each method's `round_metrics` (with its assessment merge
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+
+def _play_quietly(cfg, backend, episodes: list, temperature: float, seed: int, desc: str, make_env=None) -> list:
+    """A context's `play` where no step lent one (a method's own test): envs.rollout.play_episodes, no progress."""
+    from rsiflow.envs.rollout import play_episodes
+
+    return play_episodes(cfg, backend, episodes, temperature, seed, make_env=make_env)
 
 
 @dataclass
@@ -40,6 +48,9 @@ class DistillContext:
     trajectories: list[dict]
     prefix: list[dict]
     tools: list[dict] | None = None
+    # (cfg, backend, episodes, temperature, seed, desc, make_env=None) -> episodes: how the step plays episodes
+    # (tasks.common.play: the config's env and sampling, with the step's progress bar)
+    play: Callable[..., list] = _play_quietly
     _backend: Any = None
 
     @property
@@ -49,7 +60,7 @@ class DistillContext:
     def backend(self):
         """The champion's generation backend (opened on first use, shared by the methods of the step)."""
         if self._backend is None:
-            from rsiflow.tasks.common import backend_for
+            from rsiflow.models.backend import backend_for
 
             self._backend = backend_for(self.cfg, self.champion_path)
         return self._backend
@@ -69,6 +80,7 @@ class AssessContext:
     base: str
     base_path: str
     heldout: list                 # envs.base.TaskSpec, the gate's sample in order
+    play: Callable[..., list] = _play_quietly   # as DistillContext.play
 
     @property
     def run_id(self) -> str:
@@ -136,7 +148,12 @@ class Method:
                  "untrained": list((e["meta"] or {}).get("untrained") or [])}
                 for e in examples]
 
-    def assess(self, ctx: AssessContext) -> Contribution | None:
+    def assess_read(self, store, ctx: AssessContext) -> Any:
+        """What `assess` needs from the store (named Store methods only), read by the gate step while the store is
+        open; given to `assess` as `inputs`."""
+        return None
+
+    def assess(self, ctx: AssessContext, inputs: Any = None) -> Contribution | None:
         """Figures about the round's trained candidate, computed by the gate step with the store closed (it may
         generate with the models): its `metrics` are stored in the gate step's metrics under the method's name and
         merged into the round's figures (report, rounds.metrics); its `tables` rows (declared in `tables`) are

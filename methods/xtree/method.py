@@ -1,6 +1,6 @@
 """X-Tree in a round: the run's rollouts so far mined into a tree of reusable action spans, and its uses.
 
-Thin over methods/xtree.py. `read` takes the corpus from the store: the canonical action symbols of the
+Thin over methods/xtree/algorithm.py. `read` takes the corpus from the store: the canonical action symbols of the
 run's training rollouts of the last `window` rounds (this one included; crashed episodes left out) and
 the previous tree (for lineage). `distill` mines the tree and contributes its rows (`xtree_trees`,
 `xtree_nodes`, `xtree_occurrences`), then applies each enabled use:
@@ -24,9 +24,18 @@ from collections import defaultdict
 from statistics import mean
 
 from rsiflow.configs.schema import ConfigError
-from rsiflow.methods.srd import with_privileged
-from rsiflow.methods.xtree import MineParams, Trace, Tree, mine, online_bonus, render, turn_weights, weight_runs
-from rsiflow.tasks.methods.base import Contribution, DistillContext, Method, distill_row, num, teacher_loss
+from rsiflow.methods.base import Contribution, DistillContext, Method, distill_row, num, teacher_loss
+from rsiflow.methods.srd.algorithm import with_privileged
+from rsiflow.methods.xtree.algorithm import (
+    MineParams,
+    Trace,
+    Tree,
+    mine,
+    online_bonus,
+    render,
+    turn_weights,
+    weight_runs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +66,7 @@ def split_by_turn_weights(row: dict, weights: list[float]) -> list[dict]:
 def _check_order(cfg) -> None:
     """A use that feeds another method needs that method enabled, after xtree (it reads what xtree's distill
     wrote on the round's trajectories)."""
-    from rsiflow.tasks.methods import method_class
+    from rsiflow.methods import method_class
 
     c, names = cfg.distill.xtree, cfg.distill.methods
     position = {method_class(n).name: i for i, n in enumerate(names)}

@@ -15,7 +15,7 @@ Per training task x of type k (G student rollouts without a skill, rewards R^S):
    type by lexical match with the task text; `library_entry` summarises a skill's tests (mean gain with an
    interval, last shrunk gain and weight) and retires it once its last `retire_after` shrunk gains are ≤ 0.
 
-Plain Python: no model, no store. tasks/methods/rsipo.py runs the model and the replays.
+Plain Python: no model, no store. methods/rsipo/method.py runs the model and the replays.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from statistics import mean, variance
 
-from rsiflow.methods.rollout import env_observation
+from rsiflow.envs.rollout import env_observation
 
 SKILL_HEADER = "Skill (a procedure that helped on tasks of this kind):"
 WRITERS = ("policy", "template")
@@ -162,7 +162,7 @@ def replay_observation(observation: str, block: str) -> str:
 
 
 def with_skill(content: str, block: str) -> str:
-    """A task message (as `methods.rollout.render_observation` made it) with the skill block after the env's
+    """A task message (as `envs.rollout.render_observation` made it) with the skill block after the env's
     observation and before the admissible actions and "Your action:": the same text a replay's task message has,
     so the teacher of the distillation is the policy the replay measured."""
     observation = env_observation(content)

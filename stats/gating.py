@@ -16,7 +16,7 @@ Rules (config `gate.rule`):
   about 0 (or leans negative), so a no-better candidate is promoted with probability at most `alpha`,
   whatever the tasks' difficulty.
 - `paired_margin`: promote only if wins - losses >= `margin`. Simple to read, no stated error rate.
-- `no_worse`, `better`, `always`: the Wilson-interval rules on unpaired rates (`methods.stats`).
+- `no_worse`, `better`, `always`: the Wilson-interval rules on unpaired rates (`stats.success`).
 
 Sequential growth (`paired_test` only): the looks are fixed before any play, at n0, 2·n0, ...
 and the maximum (`look_sizes`); every look tests at alpha / (number of looks) (Bonferroni), so
@@ -35,7 +35,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rsiflow.methods.stats import GateEvidence, compare, should_promote
+from rsiflow.stats.success import GateEvidence, compare, should_promote
 
 RULES = ("paired_test", "paired_margin", "no_worse", "better", "always")
 

@@ -12,7 +12,7 @@ Per group of rollouts of one task:
    (student), scored on the episode's own action tokens.
 
 This module builds prompts, classifies failures, writes template notes and assembles the
-teacher/student pairs; it never calls a model (tasks/methods/srd.py does, through a backend).
+teacher/student pairs; it never calls a model (methods/srd/method.py does, through a backend).
 The privileged text only ever goes into the teacher's user turn, never into a system or
 assistant message and never into the student's prompt.
 """
@@ -178,7 +178,7 @@ _KIND_RULES = {  # the Rule where the env states none (Env.rules() is empty)
 
 
 def _same_action(a: str, b: str) -> bool:
-    """Equal up to case, whitespace and a trailing period (as `methods.rollout.project_action` normalises)."""
+    """Equal up to case, whitespace and a trailing period (as `envs.rollout.project_action` normalises)."""
     return " ".join(a.lower().split()).rstrip(".") == " ".join(b.lower().split()).rstrip(".")
 
 

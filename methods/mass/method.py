@@ -1,7 +1,7 @@
 """MASS in a round: workflow search, teacher collection and SFT data in distill; the candidate against the base in
 the gate (docs/methods.md, MASS).
 
-Thin over methods/mass.py. The champion (through the round's generation backend) plays every sub-agent, proposes
+Thin over algorithm.py. The champion (through the round's generation backend) plays every sub-agent, proposes
 workflow versions (or the structured mutation operator does, `distill.mass.proposer`) and judges pairs of outputs
 (or the env's verifier does, `distill.mass.judge: oracle`). MASS fits the Method seam as a distill method that runs
 its own multi-agent episodes: the generate step's single-agent rollouts are not used, only the round's tasks.
@@ -35,7 +35,9 @@ from statistics import mean
 from rsiflow.configs.schema import ConfigError
 from rsiflow.envs import env_class
 from rsiflow.envs.base import TaskSpec
-from rsiflow.methods.mass import (
+from rsiflow.envs.rollout import ACTION_STOP, env_factory, prompt_setup, render_observation, round_seed
+from rsiflow.methods.base import AssessContext, Contribution, DistillContext, Method, num
+from rsiflow.methods.mass.algorithm import (
     SEED_WORKFLOW,
     Episode,
     PairResult,
@@ -56,10 +58,7 @@ from rsiflow.methods.mass import (
     spec_diff,
     win_rate,
 )
-from rsiflow.methods.rollout import ACTION_STOP, render_observation
-from rsiflow.models.backend import SamplingParams
-from rsiflow.tasks.common import backend_for, env_factory, prompt_setup, round_seed
-from rsiflow.tasks.methods.base import AssessContext, Contribution, DistillContext, Method, num
+from rsiflow.models.backend import SamplingParams, backend_for
 
 log = logging.getLogger(__name__)
 
@@ -372,7 +371,7 @@ class MASS(Method):
 
     # ---- the candidate against the base (gate step) -----------------------------------------------------------
 
-    def assess(self, ctx: AssessContext) -> Contribution | None:
+    def assess(self, ctx: AssessContext, inputs=None) -> Contribution | None:
         c, cfg = self.cfg.distill.mass, self.cfg
         if c.assess_tasks == 0:
             return None

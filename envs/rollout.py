@@ -20,7 +20,9 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
+from rsiflow.envs import make_env
 from rsiflow.envs.base import Env, TaskSpec
 from rsiflow.models.backend import GenerationBackend, SamplingParams
 
@@ -200,3 +202,63 @@ def run_episodes(
         if env is not None:
             env.close()
     return episodes
+
+
+# ---- a config's rollouts (`cfg`: configs.schema.Config; the steps and the methods play through these) ----------
+
+
+def env_factory(cfg) -> Callable[[], Env]:
+    """A fresh env of the config (`env.name` with `env.kwargs`) per call."""
+    return partial(make_env, cfg.env.name, **cfg.env.kwargs)
+
+
+def sampling(cfg, temperature: float, seed: int, temp_logprobs: bool = True) -> SamplingParams:
+    """The config's sampling parameters at `temperature` (top-p only when sampling)."""
+    return SamplingParams(max_new_tokens=cfg.backend.max_new_tokens, temperature=temperature,
+                          top_p=cfg.backend.top_p if temperature > 0 else 1.0, seed=seed, temp_logprobs=temp_logprobs)
+
+
+def round_seed(cfg, round_no: int, salt: int = 0) -> int:
+    """The sampling seed of a round's use `salt` (deterministic in run.seed, the round and the salt)."""
+    return (cfg.run.seed * 1_000_003 + round_no * 7919 + salt) % (2**31)
+
+
+def prompt_setup(cfg) -> tuple[list[dict], list[dict] | None]:
+    """The prompt prefix every episode of this config starts with (system + few-shot turns) and the env's
+    tool schemas for the chat template (None where it has none)."""
+    env: Env = env_factory(cfg)()
+    try:
+        return prompt_prefix(env, cfg.env.show_admissible, cfg.env.few_shot), env.tools()
+    finally:
+        env.close()
+
+
+def play_episodes(cfg, backend: GenerationBackend, episodes: list[Episode], temperature: float, seed: int, *,
+                  make_env: Callable[[], Env] | None = None, on_turn: Callable[[int, int], None] | None = None,
+                  temp_logprobs: bool = True) -> list[Episode]:
+    """Run episodes in lockstep with the config's env settings and sampling (`make_env`: another env factory,
+    e.g. one that wraps the config's; `temp_logprobs`: whether training will read them)."""
+    return run_episodes(make_env or env_factory(cfg), episodes, backend,
+                        sampling(cfg, temperature, seed, temp_logprobs), cfg.env.max_turns, cfg.env.show_admissible,
+                        cfg.env.few_shot, cfg.env.project_actions, on_turn=on_turn)
+
+
+def episode_rows(episodes: list[Episode], model_id: str, purpose: str) -> tuple[list[dict], list[dict]]:
+    """Rows for the trajectories and turns tables."""
+    trajs, turns = [], []
+    for ep in episodes:
+        trajs.append({
+            "traj_id": ep.traj_id, "task_id": ep.task.task_id, "model_id": model_id, "group_id": ep.group_id,
+            "sample_idx": ep.sample_idx, "purpose": purpose, "status": ep.status, "success": ep.success,
+            "reward": ep.reward, "n_turns": len(ep.turns), "error": ep.error, "hindsight": ep.hindsight,
+            "prompt_tokens": ep.prompt_tokens, "gen_tokens": ep.gen_tokens, "wall_s": ep.wall_s,
+        })
+        for i, t in enumerate(ep.turns):
+            turns.append({
+                "traj_id": ep.traj_id, "turn_idx": i, "observation": t.observation, "action_text": t.action_text,
+                "raw_text": t.raw_text,
+                "action_symbol": t.action_symbol, "token_ids": t.token_ids, "logprobs": t.logprobs,
+                "temp_logprobs": t.temp_logprobs,
+                "reward": t.reward, "done": t.done, "valid": t.valid, "feedback": t.feedback, "wall_s": t.wall_s,
+            })
+    return trajs, turns

@@ -1,6 +1,6 @@
 """Success statistics for the gate: Wilson intervals, the paired comparison, the interval-based rules.
 
-The paired rules (paired_test, paired_margin) and the sequential procedure are in methods/gating.py.
+The paired rules (paired_test, paired_margin) and the sequential procedure are in stats/gating.py.
 """
 
 from __future__ import annotations

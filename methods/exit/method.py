@@ -1,11 +1,11 @@
 """ExIt (expert iteration, rejection-sampling SFT): the round's successful trajectories become SFT rows, through
-distill.exit's data filters (methods/exit.py `select_examples`; its distill metrics count what each dropped)."""
+distill.exit's data filters (algorithm.py `select_examples`; its distill metrics count what each dropped)."""
 
 from __future__ import annotations
 
 from rsiflow.configs.schema import ConfigError
-from rsiflow.methods.exit import select_examples
-from rsiflow.tasks.methods.base import Contribution, DistillContext, Method
+from rsiflow.methods.base import Contribution, DistillContext, Method
+from rsiflow.methods.exit.algorithm import select_examples
 
 
 def _trains_something(row: dict) -> bool:
@@ -27,7 +27,7 @@ class ExIt(Method):
                  "messages": e.messages, "weight": e.weight,
                  "meta": {**e.meta, **({"tools": ctx.tools} if ctx.tools else {})}} for e in sel.examples]
         if self.cfg.distill.xtree.token_weights:  # per-action weights, written on the trajectories by X-Tree's distill
-            from rsiflow.tasks.methods.xtree import split_by_turn_weights
+            from rsiflow.methods.xtree.method import split_by_turn_weights
 
             weights = {t["traj_id"]: t["xtree_turn_weights"] for t in ctx.trajectories if "xtree_turn_weights" in t}
             if rows and not weights:

@@ -1,0 +1,4 @@
+"""GRPO: policy gradient with group-relative advantages on the round's stored rollouts.
+
+algorithm.py: the algorithm as plain Python; method.py: the `Method` that runs it in a round (the glue to the
+store and the backend), registered in configs/registry.py."""
