@@ -6,6 +6,8 @@ config package imports nothing above it. Adding a built-in method or backend is 
 
 from __future__ import annotations
 
+from importlib import import_module
+
 BACKENDS: dict[str, str] = {
     "hf": "rsiflow.models.hf_backend:HFBackend",
     "vllm": "rsiflow.models.vllm_backend:VLLMBackend",
@@ -20,3 +22,14 @@ METHODS: dict[str, str] = {
     "rsipo": "rsiflow.methods.rsipo.method:RSIPO",
     "mass": "rsiflow.methods.mass.method:MASS",
 }
+
+
+def load_plugin(target: str, what: str):
+    """The object a "module:Class" string names (`what` says whose, for the error); ValueError if it can't be
+    imported."""
+    module, _, attr = target.partition(":")
+    try:
+        obj = getattr(import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{what}: cannot import {target!r}: {type(e).__name__}: {e}") from None
+    return obj

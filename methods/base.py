@@ -117,6 +117,8 @@ class Method:
     own), implement `distill`; override the rest where the defaults don't fit."""
 
     name: ClassVar[str]
+    # Its options: a configs.section.Section subclass, validated as the config's `distill.<name>` (None: it has none)
+    Options: ClassVar[type | None] = None
     tables: ClassVar[tuple[str, ...]] = ()   # step-keyed tables its distill writes besides `examples`
     # Its training reads the sampler's temperature-only logprobs (Generation.temp_logprobs): a backend that must
     # pay for them (vLLM at top_p < 1, `score_temp_logprobs: auto`) computes them only when a method says so.
@@ -129,6 +131,11 @@ class Method:
 
     def __init__(self, cfg):
         self.cfg = cfg
+
+    @property
+    def options(self):
+        """This method's section of the config (`distill.<name>`, an instance of `Options`)."""
+        return getattr(self.cfg.distill, self.name)
 
     def read(self, store, ctx: DistillContext) -> Any:
         """What `distill` needs from the store beyond ctx.trajectories (named Store methods only)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 from rsiflow.configs.schema import ConfigError
 from rsiflow.methods.base import Contribution, DistillContext, Method
 from rsiflow.methods.exit.algorithm import select_examples
+from rsiflow.methods.exit.options import ExitOptions
 
 
 def _trains_something(row: dict) -> bool:
@@ -17,6 +18,7 @@ def _trains_something(row: dict) -> bool:
 
 class ExIt(Method):
     name = "exit"
+    Options = ExitOptions
     replayable = True   # verified successes: their SFT rows stay valid in later rounds (train.replay)
 
     def distill(self, ctx: DistillContext, inputs) -> Contribution:

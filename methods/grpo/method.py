@@ -15,11 +15,13 @@ from statistics import mean
 from rsiflow.configs.schema import ConfigError
 from rsiflow.methods.base import Contribution, DistillContext, Method, num
 from rsiflow.methods.grpo.algorithm import trajectory_advantages
+from rsiflow.methods.grpo.options import GrpoOptions
 from rsiflow.stats.groups import group_counts, group_stats
 
 
 class GRPO(Method):
     name = "grpo"
+    Options = GrpoOptions
     uses_temp_logprobs = True  # the trainer's mismatch correction
 
     def distill(self, ctx: DistillContext, inputs) -> Contribution:

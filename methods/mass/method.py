@@ -58,6 +58,7 @@ from rsiflow.methods.mass.algorithm import (
     spec_diff,
     win_rate,
 )
+from rsiflow.methods.mass.options import MassOptions
 from rsiflow.models.backend import SamplingParams, backend_for
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,7 @@ class MASS(Method):
     """MASS (docs/methods.md, MASS): workflow search, self-judged teacher collection, SFT on the bare task."""
 
     name = "mass"
+    Options = MassOptions
     tables = ("mass_workflows", "mass_episodes", "mass_verdicts", "mass_rankings")
 
     def __init__(self, cfg):

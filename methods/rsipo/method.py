@@ -44,6 +44,7 @@ from rsiflow.methods.rsipo.algorithm import (
     template_skill,
     trust,
 )
+from rsiflow.methods.rsipo.options import RsipoOptions
 from rsiflow.models.backend import SamplingParams, backend_for
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class RSIPO(Method):
     """RSIPO (docs/methods.md, RSIPO): skill-policy co-evolution on top of GRPO."""
 
     name = "rsipo"
+    Options = RsipoOptions
     tables = ("rsipo_skills", "rsipo_tests", "rsipo_library", "trajectories", "turns", "foresight")
     uses_temp_logprobs = True  # the skill-evolution rows' mismatch correction (GRPO's trainer)
 

@@ -31,6 +31,7 @@ from rsiflow.methods.srd.algorithm import (
     pitfall_note_messages,
     template_note,
 )
+from rsiflow.methods.srd.options import SrdOptions
 from rsiflow.models.backend import SamplingParams
 from rsiflow.stats.groups import group_counts, group_stats
 
@@ -220,6 +221,7 @@ class SRD(Method):
     """SRD (docs/methods.md, SRD): pitfall notes from failures, distilled into foresight by the privileged teacher."""
 
     name = "srd"
+    Options = SrdOptions
     tables = ("notes", "foresight")
 
     def read(self, store, ctx: DistillContext) -> dict:

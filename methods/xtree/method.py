@@ -36,6 +36,7 @@ from rsiflow.methods.xtree.algorithm import (
     turn_weights,
     weight_runs,
 )
+from rsiflow.methods.xtree.options import XTreeOptions
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class XTree(Method):
     """X-Tree (docs/methods.md, X-Tree): experience tokenization over canonical actions; no LLM calls."""
 
     name = "xtree"
+    Options = XTreeOptions
     tables = ("xtree_trees", "xtree_nodes", "xtree_occurrences", "xtree_bonus", "foresight")
 
     def __init__(self, cfg):

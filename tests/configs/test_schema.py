@@ -121,7 +121,7 @@ def test_unknown_method_fails_before_any_work():
     from rsiflow.tasks.setup import check_methods
 
     check_methods(load_config([], ["distill.methods=[exit,srd]"]))
-    with pytest.raises(ConfigError, match=r"distill.methods: unknown method 'mass2'.*exit.*srd"):
+    with pytest.raises(ConfigError, match=r"distill.methods.1: unknown method 'mass2'.*exit.*srd"):
         check_methods(load_config([], ["distill.methods=[exit,mass2]"]))
-    with pytest.raises(ConfigError, match=r"distill.methods: .*no_such_module"):
+    with pytest.raises(ConfigError, match=r"distill.methods.0: .*no_such_module"):
         check_methods(load_config([], ["distill.methods=[no_such_module:Toy]"]))
