@@ -120,6 +120,11 @@ class Method:
     # Its options: a configs.section.Section subclass, validated as the config's `distill.<name>` (None: it has none)
     Options: ClassVar[type | None] = None
     tables: ClassVar[tuple[str, ...]] = ()   # step-keyed tables its distill writes besides `examples`
+    # Its own tables' schema, as (version, name, sql) numbered from 1 for this method: applied and recorded by
+    # (method, version) when a run that enables it is set up (stores/migrations.py, apply_method_migrations). A
+    # table a step writes carries (run_id, round, step), so a rerun of the step clears its rows. Add a version for
+    # a change; never edit an applied one.
+    migrations: ClassVar[tuple[tuple[int, str, str], ...]] = ()
     # Its training reads the sampler's temperature-only logprobs (Generation.temp_logprobs): a backend that must
     # pay for them (vLLM at top_p < 1, `score_temp_logprobs: auto`) computes them only when a method says so.
     uses_temp_logprobs: ClassVar[bool] = False

@@ -548,7 +548,21 @@ CREATE TABLE round_flow_runs (
 # Tables that record who held a store when, and which process ran what (leases, Prefect flow runs, the schema's
 # own versions, the lake's lock row), not what a run computed: two stores of the same run differ in them by design,
 # so comparisons of runs (bench.chaos, bench.lake) leave them out.
-BOOKKEEPING_TABLES = frozenset({"leases", "round_flow_runs", "schema_migrations", "lake_locks"})
+BOOKKEEPING_TABLES = frozenset({"leases", "round_flow_runs", "schema_migrations", "method_migrations", "lake_locks"})
+
+# A method's own tables are its migrations (`Method.migrations`: (version, name, sql), numbered per method), applied
+# by `apply_method_migrations` when a run that enables the method is set up, and recorded here by (method, version):
+# a new method adds no entry to MIGRATIONS. (The built-in methods' tables predate this and stay in MIGRATIONS,
+# versions 2, 6, 8 and 9: stores exist that hold them under those versions.)
+METHOD_MIGRATIONS = """
+CREATE TABLE method_migrations (
+    method      VARCHAR,
+    version     INTEGER,
+    name        VARCHAR,
+    applied_at  TIMESTAMP,
+    PRIMARY KEY (method, version)
+);
+"""
 
 MIGRATIONS: list[tuple[int, str, str]] = [
     (1, "initial schema", INITIAL_SCHEMA),
@@ -562,6 +576,7 @@ MIGRATIONS: list[tuple[int, str, str]] = [
     (9, "MASS workflows, verdicts, rankings", MASS_TABLES),
     (10, "trajectory purposes of sampled held-out plays and the final test split", PURPOSES_REBUILD),
     (11, "the flow runs that ran each round", ROUND_FLOW_RUNS),
+    (12, "each method's own schema versions", METHOD_MIGRATIONS),
 ]
 
 
@@ -638,6 +653,52 @@ def _apply(con: duckdb.DuckDBPyConnection, lake: bool) -> list[int]:
                 con.rollback()
             except duckdb.TransactionException:
                 pass   # a failed commit has ended the transaction already
+            raise
+        applied.append(version)
+    return applied
+
+
+def apply_method_migrations(con: duckdb.DuckDBPyConnection, method: str, migrations, lake: bool = False) -> list[int]:
+    """Apply a method's pending migrations ((version, name, sql), in version order, one transaction each) and record
+    them in `method_migrations`; return the versions applied. On a lake, a process that loses the race to another
+    applying the same version rolls back and finds it applied (as `apply_migrations`)."""
+    for attempt in range(CONFLICT_RETRIES if lake else 1):
+        try:
+            return _apply_method(con, method, migrations, lake)
+        except (duckdb.TransactionException, duckdb.CatalogException) as err:
+            lost_race = isinstance(err, duckdb.TransactionException) or "already exists" in str(err)
+            if not lake or not lost_race or attempt == CONFLICT_RETRIES - 1:
+                raise
+            time.sleep(min(0.05 * 1.5 ** attempt, 1.0))
+    raise AssertionError("unreachable")
+
+
+def _method_versions(con: duckdb.DuckDBPyConnection, method: str) -> set[int]:
+    return {v for (v,) in con.execute("SELECT version FROM method_migrations WHERE method = ?", [method]).fetchall()}
+
+
+def _apply_method(con: duckdb.DuckDBPyConnection, method: str, migrations, lake: bool) -> list[int]:
+    versions = [v for v, _, _ in migrations]
+    if len(set(versions)) != len(versions):
+        raise ValueError(f"method {method!r}: its migrations repeat a version: {sorted(versions)}")
+    done, applied = _method_versions(con, method), []
+    for version, name, sql in sorted(migrations):
+        if version in done:
+            continue
+        con.begin()
+        try:
+            if lake and version in _method_versions(con, method):   # another process applied it meanwhile
+                con.commit()
+                continue
+            con.execute(lake_migration_sql(sql) if lake else sql)
+            con.execute("INSERT INTO method_migrations VALUES (?, ?, ?, ?)",
+                        [method, version, name, datetime.now(UTC).replace(tzinfo=None)])
+            con.commit()
+        except BaseException:
+            try:
+                con.rollback()
+            except duckdb.TransactionException:
+                pass
             raise
         applied.append(version)
     return applied

@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rsiflow.stores import lake as lakes
-from rsiflow.stores.migrations import MIGRATIONS, applied_versions, apply_migrations
+from rsiflow.stores.migrations import MIGRATIONS, applied_versions, apply_method_migrations, apply_migrations
 
 # On a lake, columns the embedded schema fills with now() (DuckLake takes only literal defaults).
 _NOW_DEFAULTS = lakes.now_defaults([sql for _, _, sql in MIGRATIONS])
@@ -193,6 +193,15 @@ class Store:
             raise
         self._schemas: dict[str, tuple[pa.Schema, set[str]]] = {}
         self.step_tables = self._find_step_tables()
+
+    def apply_method_migrations(self, method: str, migrations) -> list[int]:
+        """Create or upgrade a method's own tables (`Method.migrations`, numbered per method); the versions applied.
+        Its step-keyed tables are cleared on a step rerun like the core's."""
+        applied = apply_method_migrations(self._con, method, migrations, lake=self.lake)
+        if applied:
+            self._schemas = {}
+            self.step_tables = self._find_step_tables()
+        return applied
 
     def _open_lake(self, spec: str, data_path: str | Path | None) -> None:
         """Attach the lake (stores/lake.py), check its schema and apply pending migrations (the lake flavour of
@@ -900,68 +909,11 @@ class Store:
                          [run_id, round_no], json_cols=("student_messages", "teacher_messages"))
         return {r["foresight_id"]: r for r in rows}
 
-    def xtree_corpus(self, run_id: str, first_round: int, last_round: int) -> list[dict]:
-        """X-Tree's corpus: the run's training rollouts (generate step) of rounds first_round..last_round, each with
-        traj_id, round, group_id, task_type, status, success, reward and `symbols`, its turns' canonical action
-        symbols in turn order; by round, then traj_id."""
-        return self.rows("SELECT t.traj_id, t.round, t.group_id, k.task_type, t.status, t.success, t.reward,"
-                         " coalesce(list(u.action_symbol ORDER BY u.turn_idx)"
-                         "   FILTER (WHERE u.turn_idx IS NOT NULL), []) AS symbols"
-                         " FROM trajectories t"
-                         " LEFT JOIN tasks k ON k.task_id = t.task_id AND k.run_id = t.run_id AND k.round = t.round"
-                         "   AND k.step = t.step"
-                         " LEFT JOIN turns u ON u.traj_id = t.traj_id AND u.run_id = t.run_id AND u.round = t.round"
-                         "   AND u.step = t.step"
-                         " WHERE t.run_id = ? AND t.step = 'generate' AND t.round BETWEEN ? AND ?"
-                         " GROUP BY ALL ORDER BY t.round, t.traj_id", [run_id, first_round, last_round])
-
-    def xtree_tree(self, run_id: str, round_no: int | None = None) -> dict | None:
-        """The X-Tree a round mined (params parsed), or with round None the run's latest; None if there is none."""
-        sql = "SELECT * FROM xtree_trees WHERE run_id = ?"
-        params: list = [run_id]
-        if round_no is not None:
-            sql += " AND round = ?"
-            params.append(round_no)
-        rows = self.rows(sql + " ORDER BY round DESC LIMIT 1", params, json_cols=("params",))
-        return rows[0] if rows else None
-
-    def xtree_latest_before(self, run_id: str, round_no: int) -> dict | None:
-        """The run's newest X-Tree of a round before `round` (params parsed), or None."""
-        rows = self.rows("SELECT * FROM xtree_trees WHERE run_id = ? AND round < ? ORDER BY round DESC LIMIT 1",
-                         [run_id, round_no], json_cols=("params",))
-        return rows[0] if rows else None
-
-    def xtree_nodes(self, tree_id: str) -> list[dict]:
-        """A tree's nodes in merge order (task_types parsed)."""
-        return self.rows("SELECT * FROM xtree_nodes WHERE tree_id = ? ORDER BY node_idx", [tree_id],
-                         json_cols=("task_types",))
-
-    def rsipo_library(self, run_id: str, round_no: int) -> list[dict]:
-        """RSIPO's skill library as it stood after the run's newest round before `round` (every skill written so
-        far, active or retired, with its tests parsed), by skill_id; [] before the first."""
-        return self.rows("SELECT * FROM rsipo_library WHERE run_id = ? AND round = (SELECT max(round)"
-                         " FROM rsipo_library WHERE run_id = ? AND round < ?) ORDER BY skill_id",
-                         [run_id, run_id, round_no], json_cols=("tests",))
-
-    def rsipo_skills(self, run_id: str, round_no: int) -> dict[str, dict]:
-        """The skills RSIPO wrote in a round (prompt parsed), by skill_id."""
-        rows = self.rows("SELECT * FROM rsipo_skills WHERE run_id = ? AND round = ? AND step = 'distill'",
-                         [run_id, round_no], json_cols=("prompt",))
-        return {r["skill_id"]: r for r in rows}
-
     def base_model(self, run_id: str) -> str | None:
         """The run's base model (its `models` row with role 'base'), or None."""
         rows = self.rows("SELECT model_id FROM models WHERE run_id = ? AND role = 'base' ORDER BY created_at LIMIT 1",
                          [run_id])
         return rows[0]["model_id"] if rows else None
-
-    def mass_retained_workflow(self, run_id: str, round_no: int) -> dict | None:
-        """MASS: the workflow retained by the run's newest round before `round` that retained one other than the
-        reference (workflow_id, round, version, spec parsed), or None."""
-        rows = self.rows("SELECT workflow_id, round, version, spec FROM mass_workflows WHERE run_id = ? AND round < ?"
-                         " AND retained AND version >= 0 AND step = 'distill' ORDER BY round DESC LIMIT 1",
-                         [run_id, round_no], json_cols=("spec",))
-        return rows[0] if rows else None
 
     def latest_heldout(self, run_id: str, model_id: str | None, split: str = "heldout") -> dict | None:
         """A model's newest evaluation of `split` ('heldout': greedy; 'heldout:sampled': the sampled plays; 'test',

@@ -66,6 +66,15 @@ def check_methods(cfg: Config) -> None:
                               f"{type(e).__name__}: {e}") from None
 
 
+def method_tables(cfg: Config, store) -> None:
+    """Create or upgrade the tables of each method of distill.methods (its `migrations`)."""
+    from rsiflow.methods import enabled_methods
+
+    for m in enabled_methods(cfg):
+        if m.migrations:
+            store.apply_method_migrations(m.name, m.migrations)
+
+
 def check_base_model(cfg: Config) -> Path:
     """The base model's checkpoint folder (converted into the model cache the first time), with safetensors
     weights; ConfigError naming model.base otherwise."""
@@ -143,9 +152,11 @@ def ensure_run(cfg: Config) -> str:
             if run is not None:
                 check_same_run(run["config"], cfg)
             if run is not None and store.completed_steps(run_id, 0) >= {"init"}:
+                method_tables(cfg, store)
                 return run_id
     path = check_base_model(cfg)
     with open_store(cfg) as store:
+        method_tables(cfg, store)
         if store.get_run(run_id) is None:
             store.create_run(run_id, run_id, identity(cfg), cfg.model.base)
         with store.step(run_id, 0, "init") as tx:

@@ -37,6 +37,7 @@ from rsiflow.envs import env_class
 from rsiflow.envs.base import TaskSpec
 from rsiflow.envs.rollout import ACTION_STOP, env_factory, prompt_setup, render_observation, round_seed
 from rsiflow.methods.base import AssessContext, Contribution, DistillContext, Method, num
+from rsiflow.methods.mass import queries
 from rsiflow.methods.mass.algorithm import (
     SEED_WORKFLOW,
     Episode,
@@ -151,7 +152,7 @@ class MASS(Method):
 
     def read(self, store, ctx: DistillContext) -> dict:
         return {"tasks": store.step_tasks(ctx.run_id, ctx.round, "generate"),
-                "previous": store.mass_retained_workflow(ctx.run_id, ctx.round)}
+                "previous": queries.retained_workflow(store, ctx.run_id, ctx.round)}
 
     # ---- judging --------------------------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from rsiflow.configs.schema import ConfigError
 from rsiflow.envs.base import TaskSpec
 from rsiflow.envs.rollout import Episode, env_factory, episode_rows, round_seed
 from rsiflow.methods.base import Contribution, DistillContext, Method, distill_row, num, teacher_loss
+from rsiflow.methods.rsipo import queries
 from rsiflow.methods.rsipo.algorithm import (
     LibrarySkill,
     check_skill,
@@ -103,7 +104,7 @@ class RSIPO(Method):
 
     def read(self, store, ctx: DistillContext) -> dict:
         return {"tasks": store.step_tasks(ctx.run_id, ctx.round, "generate"),
-                "library": store.rsipo_library(ctx.run_id, ctx.round)}
+                "library": queries.library(store, ctx.run_id, ctx.round)}
 
     # ---- distill --------------------------------------------------------------------------------------
 
@@ -371,7 +372,7 @@ class RSIPO(Method):
 
     def assess_read(self, store, ctx):
         """RSIPO's library as it stands after this round's distill (the skills `assess` may put in a prompt)."""
-        return store.rsipo_library(ctx.run_id, ctx.round + 1) if self.cfg.distill.rsipo.assess_tasks else []
+        return queries.library(store, ctx.run_id, ctx.round + 1) if self.cfg.distill.rsipo.assess_tasks else []
 
     def assess(self, ctx, inputs=None):
         """With distill.rsipo.assess_tasks > 0: the trained candidate plays the gate's first held-out tasks whose type
@@ -418,7 +419,8 @@ class RSIPO(Method):
         skill-evolution examples become "pg" rows (the skill-writing conversation, the centred gain as advantage,
         the sampled tokens with their logprobs after temperature only)."""
         pairs = store.foresight_pairs(run_id, round_no) if any(e["meta"]["kind"] == "distill" for e in examples) else {}
-        skills = store.rsipo_skills(run_id, round_no) if any(e["meta"]["kind"] == "evolution" for e in examples) else {}
+        evolution = any(e["meta"]["kind"] == "evolution" for e in examples)
+        skills = queries.skills(store, run_id, round_no) if evolution else {}
         rows = []
         for e in examples:
             if e["meta"]["kind"] == "distill":

@@ -26,6 +26,7 @@ from statistics import mean
 from rsiflow.configs.schema import ConfigError
 from rsiflow.methods.base import Contribution, DistillContext, Method, distill_row, num, teacher_loss
 from rsiflow.methods.srd.algorithm import with_privileged
+from rsiflow.methods.xtree import queries
 from rsiflow.methods.xtree.algorithm import (
     MineParams,
     Trace,
@@ -96,9 +97,9 @@ class XTree(Method):
     def read(self, store, ctx: DistillContext) -> dict:
         window = self.cfg.distill.xtree.window
         first = 1 if window is None else max(1, ctx.round - window + 1)
-        previous = store.xtree_latest_before(ctx.run_id, ctx.round)
-        return {"first_round": first, "corpus": store.xtree_corpus(ctx.run_id, first, ctx.round),
-                "previous": previous, "previous_nodes": store.xtree_nodes(previous["tree_id"]) if previous else []}
+        previous = queries.latest_before(store, ctx.run_id, ctx.round)
+        return {"first_round": first, "corpus": queries.corpus(store, ctx.run_id, first, ctx.round),
+                "previous": previous, "previous_nodes": queries.nodes(store, previous["tree_id"]) if previous else []}
 
     def distill(self, ctx: DistillContext, inputs: dict) -> Contribution:
         c = self.cfg.distill.xtree

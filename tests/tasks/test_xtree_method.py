@@ -7,6 +7,7 @@ import pytest
 
 from rsiflow.configs.schema import ConfigError, load_config
 from rsiflow.methods import DistillContext, enabled_methods
+from rsiflow.methods.xtree import queries
 from rsiflow.stores import Store
 from rsiflow.tasks.common import trajectories_with_turns
 from tests.conftest import TINY
@@ -84,10 +85,10 @@ def test_the_tree_is_stored_with_lineage_and_grows_with_the_run(tmp_path):
         play(store, "tiny", 2, round_of(2))
     distill(cfg, 2)
     with Store(cfg.run.store) as store:
-        t1, t2 = store.xtree_tree("tiny", 1), store.xtree_tree("tiny", 2)
+        t1, t2 = queries.tree(store, "tiny", 1), queries.tree(store, "tiny", 2)
         assert t2["parent_tree_id"] == t1["tree_id"] == "tiny/r1/xtree" and t2["first_round"] == 1
         assert t2["n_trajectories"] == 24 and t2["n_symbols"] == 2 * t1["n_symbols"]   # the corpus grew
-        nodes = store.xtree_nodes(t2["tree_id"])
+        nodes = queries.nodes(store, t2["tree_id"])
         heat = next(n for n in nodes if n["span"] == ROUTINE)
         assert heat["first_round"] == 1                                    # lineage to the round it first appeared
         occ = store.rows("SELECT o.traj_id, o.turn_start, o.turn_end, list(u.action_symbol ORDER BY u.turn_idx) AS s"
