@@ -15,10 +15,19 @@ from __future__ import annotations
 from importlib import import_module
 
 from rsiflow.configs.registry import METHODS
-from rsiflow.methods.base import AssessContext, Contribution, DistillContext, Method
+from rsiflow.methods.base import (
+    POLICY_LOSS,
+    REWARD_BONUS,
+    TURN_WEIGHTS,
+    AssessContext,
+    Contribution,
+    DistillContext,
+    Key,
+    Method,
+)
 
-__all__ = ["METHODS", "AssessContext", "Contribution", "DistillContext", "Method", "enabled_methods", "method_class",
-           "needs_temp_logprobs"]
+__all__ = ["METHODS", "POLICY_LOSS", "REWARD_BONUS", "TURN_WEIGHTS", "AssessContext", "Contribution", "DistillContext",
+           "Key", "Method", "enabled_methods", "method_class", "needs_temp_logprobs"]
 
 def method_class(name: str) -> type[Method]:
     """The Method class of a registered name or of "package.module:Class"; ValueError otherwise."""
@@ -40,5 +49,37 @@ def needs_temp_logprobs(cfg) -> bool:
 
 
 def enabled_methods(cfg) -> list[Method]:
-    """The config's `distill.methods`, in order, each built with the config."""
-    return [method_class(name)(cfg) for name in cfg.distill.methods]
+    """The config's `distill.methods`, each built with the config, in the order their state keys need: a method
+    that provides a key runs before the ones that consume or require it; otherwise the config's order. ConfigError
+    when a required key has no provider, a provided one no consumer, or the keys make a cycle."""
+    from rsiflow.configs.schema import ConfigError
+
+    methods = [method_class(name)(cfg) for name in cfg.distill.methods]
+    where = cfg.source_of("distill.methods")
+    providers: dict[Key, Method] = {}
+    for m in methods:
+        for key in m.provides():
+            if key in providers:
+                raise ConfigError(f"{where}: distill.methods: {providers[key].name} and {m.name} both provide {key} "
+                                  f"({key.doc}); enable one of them")
+            providers[key] = m
+    for m in methods:
+        missing = sorted(str(k) for k in m.requires() if k not in providers)
+        if missing:
+            raise ConfigError(f"{where}: distill.methods: {m.name} requires {', '.join(missing)}, which no method of "
+                              f"{cfg.distill.methods} provides (enable one that does)")
+    for key, m in providers.items():
+        if key.needs_consumer and not any(key in (o.consumes() | o.requires()) for o in methods if o is not m):
+            raise ConfigError(f"{where}: distill.{m.name}: provides {key} ({key.doc}), but no method of "
+                              f"{cfg.distill.methods} consumes it: enable one that does, or the option of "
+                              f"distill.{m.name} that makes it")
+    ordered: list[Method] = []
+    while len(ordered) < len(methods):
+        ready = [m for m in methods if m not in ordered
+                 and all(providers[k] in ordered for k in m.consumes() | m.requires() if k in providers
+                         and providers[k] is not m)]
+        if not ready:
+            stuck = [m.name for m in methods if m not in ordered]
+            raise ConfigError(f"{where}: distill.methods: {stuck} need each other's state keys (a cycle)")
+        ordered.append(ready[0])
+    return ordered

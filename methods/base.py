@@ -25,6 +25,27 @@ def _play_quietly(cfg, backend, episodes: list, temperature: float, seed: int, d
     return play_episodes(cfg, backend, episodes, temperature, seed, make_env=make_env)
 
 
+@dataclass(frozen=True)
+class Key:
+    """A typed entry of a round's shared state (`DistillContext.state`): one method `provides` it, others
+    `consumes` it (used when present) or `requires` it (the config is refused without a provider). The distill
+    step runs a provider before its consumers, whatever the order of `distill.methods`."""
+
+    name: str
+    doc: str
+    needs_consumer: bool = True   # a provider of it with no consumer among the enabled methods is a config error
+
+    def __str__(self) -> str:
+        return self.name
+
+
+# The state keys the built-in methods share (a plugin may define its own Key anywhere).
+REWARD_BONUS = Key("reward_bonus", "traj_id -> a reward added to the verifier's for the policy gradient's advantages")
+TURN_WEIGHTS = Key("turn_weights", "traj_id -> one training weight per action of a successful trajectory")
+POLICY_LOSS = Key("policy_loss", "the round trains a policy-gradient loss on 'pg' rows, which other terms ride on",
+                  needs_consumer=False)
+
+
 @dataclass
 class Contribution:
     """What a method's distill gives the round: `examples` rows (example_id, method, source_traj_id, messages,
@@ -51,11 +72,22 @@ class DistillContext:
     # (cfg, backend, episodes, temperature, seed, desc, make_env=None) -> episodes: how the step plays episodes
     # (tasks.common.play: the config's env and sampling, with the step's progress bar)
     play: Callable[..., list] = _play_quietly
+    state: dict = field(default_factory=dict)   # Key -> value: what the methods run so far provided
     _backend: Any = None
 
     @property
     def run_id(self) -> str:
         return self.cfg.run.name
+
+    def provide(self, method: Method, key: Key, value: Any) -> None:
+        """`method` puts its value of `key` in the round's state (it must list the key in its `provides`)."""
+        if key not in method.provides():
+            raise ValueError(f"method {method.name!r} provides {key} but does not declare it in `provides`")
+        self.state[key] = value
+
+    def get(self, key: Key, default: Any = None) -> Any:
+        """The value of `key` a method provided before this one, or `default`."""
+        return self.state.get(key, default)
 
     def backend(self):
         """The champion's generation backend (opened on first use, shared by the methods of the step)."""
@@ -136,6 +168,18 @@ class Method:
 
     def __init__(self, cfg):
         self.cfg = cfg
+
+    def provides(self) -> set[Key]:
+        """The state keys this method's distill puts in the round's state with these options (`ctx.provide`)."""
+        return set()
+
+    def consumes(self) -> set[Key]:
+        """Keys this method reads when a method of the round provides them (it runs after that method)."""
+        return set()
+
+    def requires(self) -> set[Key]:
+        """Keys without which this method can't run: the config is refused unless an enabled method provides them."""
+        return set()
 
     @property
     def options(self):

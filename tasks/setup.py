@@ -53,8 +53,9 @@ def check_env_config(cfg: Config) -> None:
 
 
 def check_methods(cfg: Config) -> None:
-    """Every name in distill.methods is a registered method or a 'package.module:Class' Method."""
-    from rsiflow.methods import method_class
+    """Every name in distill.methods is a registered method or a 'package.module:Class' Method, and together they
+    can run: each builds with the config, and their state keys resolve (methods.enabled_methods)."""
+    from rsiflow.methods import enabled_methods, method_class
 
     for name in cfg.distill.methods:
         try:
@@ -64,6 +65,7 @@ def check_methods(cfg: Config) -> None:
         except Exception as e:   # a method module of the user's that raises while it is imported
             raise ConfigError(f"{cfg.source_of('distill.methods')}: distill.methods: loading method {name!r} raised "
                               f"{type(e).__name__}: {e}") from None
+    enabled_methods(cfg)
 
 
 def method_tables(cfg: Config, store) -> None:

@@ -122,3 +122,14 @@ def exit_examples(trajectories: list[dict], min_reward: float = 1.0, dedupe: boo
     and train_from (messages before it are the prompt prefix, e.g. few-shot turns: never trained). Every action of
     a success is trained (no data filter: `select_examples` has them)."""
     return select_examples(trajectories, min_reward, dedupe, valid_turns_only=False).examples
+
+
+def weight_runs(weights: list[float]) -> list[tuple[int, int, float]]:
+    """(start, end, weight) of the maximal runs of equal weight, in order."""
+    runs: list[tuple[int, int, float]] = []
+    for i, w in enumerate(weights):
+        if runs and runs[-1][2] == w:
+            runs[-1] = (runs[-1][0], i + 1, w)
+        else:
+            runs.append((i, i + 1, w))
+    return runs

@@ -3,9 +3,8 @@ distill.exit's data filters (algorithm.py `select_examples`; its distill metrics
 
 from __future__ import annotations
 
-from rsiflow.configs.schema import ConfigError
-from rsiflow.methods.base import Contribution, DistillContext, Method
-from rsiflow.methods.exit.algorithm import select_examples
+from rsiflow.methods.base import TURN_WEIGHTS, Contribution, DistillContext, Key, Method
+from rsiflow.methods.exit.algorithm import select_examples, weight_runs
 from rsiflow.methods.exit.options import ExitOptions
 
 
@@ -16,10 +15,28 @@ def _trains_something(row: dict) -> bool:
                for i, m in enumerate(row["messages"]) if i >= row["meta"].get("train_from", 0))
 
 
+def split_by_turn_weights(row: dict, weights: list[float]) -> list[dict]:
+    """An SFT example row (messages = prompt prefix + user/assistant turns, meta.train_from = where the turns
+    start) as one row per run of equal turn weight: turns [s, e) keep the conversation up to turn e, are
+    labelled from turn s on, and weigh w. One run: the row itself, reweighted. The same per-token loss as one
+    row with per-action weights (a causal LM's action tokens see only the turns before them)."""
+    start = row["meta"]["train_from"]
+    runs = weight_runs(weights)
+    if len(runs) == 1:
+        return [{**row, "weight": row["weight"] * runs[0][2], "meta": {**row["meta"], "xtree_weight": runs[0][2]}}]
+    return [{**row, "example_id": f"{row['example_id']}/t{s}-{e}", "messages": row["messages"][:start + 2 * e],
+             "weight": row["weight"] * w,
+             "meta": {**row["meta"], "train_from": start + 2 * s, "turns": [s, e], "xtree_weight": w}}
+            for s, e, w in runs]
+
+
 class ExIt(Method):
     name = "exit"
     Options = ExitOptions
     replayable = True   # verified successes: their SFT rows stay valid in later rounds (train.replay)
+
+    def consumes(self) -> set[Key]:
+        return {TURN_WEIGHTS}
 
     def distill(self, ctx: DistillContext, inputs) -> Contribution:
         c = self.cfg.distill.exit
@@ -28,13 +45,8 @@ class ExIt(Method):
         rows = [{"example_id": e.example_id, "method": e.method, "source_traj_id": e.source_traj_id,
                  "messages": e.messages, "weight": e.weight,
                  "meta": {**e.meta, **({"tools": ctx.tools} if ctx.tools else {})}} for e in sel.examples]
-        if self.cfg.distill.xtree.token_weights:  # per-action weights, written on the trajectories by X-Tree's distill
-            from rsiflow.methods.xtree.method import split_by_turn_weights
-
-            weights = {t["traj_id"]: t["xtree_turn_weights"] for t in ctx.trajectories if "xtree_turn_weights" in t}
-            if rows and not weights:
-                raise ConfigError("distill.xtree.token_weights is on but no X-Tree weights reached ExIt: list xtree "
-                                  f"before exit in distill.methods (now {self.cfg.distill.methods})")
+        weights = ctx.get(TURN_WEIGHTS)   # per-action weights a method of the round provided (X-Tree's token_weights)
+        if weights is not None:
             # a span keeps the example's meta.untrained (absolute message indices: the span's messages are a prefix
             # of the example's); a span whose turns are all untrained trains nothing and is left out
             rows = [s for r in rows for s in split_by_turn_weights(r, weights[r["source_traj_id"]])

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from statistics import mean
 
-from rsiflow.configs.schema import ConfigError
-from rsiflow.methods.base import Contribution, DistillContext, Method, num
+from rsiflow.methods.base import POLICY_LOSS, REWARD_BONUS, Contribution, DistillContext, Key, Method, num
 from rsiflow.methods.grpo.algorithm import trajectory_advantages
 from rsiflow.methods.grpo.options import GrpoOptions
 from rsiflow.stats.groups import group_counts, group_stats
@@ -24,14 +23,18 @@ class GRPO(Method):
     Options = GrpoOptions
     uses_temp_logprobs = True  # the trainer's mismatch correction
 
+    def provides(self) -> set[Key]:
+        return {POLICY_LOSS}
+
+    def consumes(self) -> set[Key]:
+        return {REWARD_BONUS}
+
     def distill(self, ctx: DistillContext, inputs) -> Contribution:
         c = self.cfg.distill.grpo
         played = [t for t in ctx.trajectories if t["status"] != "error" and t["n_turns"]]
         # X-Tree's online bonus, written on the trajectories by its distill (distill.xtree.bonus, xtree before grpo)
-        bonus = {t["traj_id"]: t["xtree"]["bonus"] for t in played if "xtree" in t}
-        if self.cfg.distill.xtree.bonus and played and not bonus:
-            raise ConfigError("distill.xtree.bonus is on but no X-Tree bonus reached GRPO: list xtree before grpo "
-                              f"in distill.methods (now {self.cfg.distill.methods})")
+        provided = ctx.get(REWARD_BONUS, {})   # a reward bonus a method of the round provided (X-Tree's bonus)
+        bonus = {t["traj_id"]: provided[t["traj_id"]] for t in played if t["traj_id"] in provided}
         adv = trajectory_advantages(played, c.advantage, c.eps, bonus)
         rows = [{"example_id": f"{t['traj_id']}/grpo", "method": self.name, "source_traj_id": t["traj_id"],
                  "messages": t["messages"], "weight": 1.0,

@@ -27,7 +27,7 @@ from statistics import mean
 from rsiflow.configs.schema import ConfigError
 from rsiflow.envs.base import TaskSpec
 from rsiflow.envs.rollout import Episode, env_factory, episode_rows, round_seed
-from rsiflow.methods.base import Contribution, DistillContext, Method, distill_row, num, teacher_loss
+from rsiflow.methods.base import POLICY_LOSS, Contribution, DistillContext, Key, Method, distill_row, num, teacher_loss
 from rsiflow.methods.rsipo import queries
 from rsiflow.methods.rsipo.algorithm import (
     LibrarySkill,
@@ -92,15 +92,12 @@ class RSIPO(Method):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        from rsiflow.methods import method_class
-
-        names = [method_class(n).name for n in cfg.distill.methods]
-        if "grpo" not in names:
-            raise ConfigError(f"distill.methods: rsipo adds its terms to GRPO's loss; enable grpo too (now "
-                              f"{cfg.distill.methods})")
         if cfg.generate.group_size < 2:
             raise ConfigError(f"generate.group_size: rsipo needs at least 2 student rollouts per task for the gain's "
                               f"noise variance (now {cfg.generate.group_size})")
+
+    def requires(self) -> set[Key]:
+        return {POLICY_LOSS}   # its terms ride on the policy-gradient loss (GRPO's trainer)
 
     def read(self, store, ctx: DistillContext) -> dict:
         return {"tasks": store.step_tasks(ctx.run_id, ctx.round, "generate"),

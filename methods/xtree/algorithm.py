@@ -362,17 +362,6 @@ def turn_weights(nodes: list[Node], symbols: list[str], alpha: float) -> list[fl
     return [x / m for x in w]
 
 
-def weight_runs(weights: list[float]) -> list[tuple[int, int, float]]:
-    """(start, end, weight) of the maximal runs of equal weight, in order."""
-    runs: list[tuple[int, int, float]] = []
-    for i, w in enumerate(weights):
-        if runs and runs[-1][2] == w:
-            runs[-1] = (runs[-1][0], i + 1, w)
-        else:
-            runs.append((i, i + 1, w))
-    return runs
-
-
 def render(tree: Tree, nodes: list[Node] | None = None, top: int = 8, sep: str = " > ") -> str:
     """An indented outline of the `top` highest-scoring nodes of `nodes` (default: all), each with the merged
     nodes below it; a node already shown under a higher one is not repeated as a root."""

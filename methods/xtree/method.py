@@ -7,9 +7,9 @@ the previous tree (for lineage). `distill` mines the tree and contributes its ro
 
 - bonus: per rollout of this round, B = share of the task type's nodes it executes and
   λ_g = bonus_lambda · (1 − group win rate); rows of `xtree_bonus`. The bonus reaches GRPO through the
-  round's trajectories: each gets `t["xtree"]` ({"bonus", "share", "lambda_g"}), and GRPO's distill (which
-  runs after this one: xtree comes first in distill.methods) adds it to the verifier reward;
-- token_weights: each successful rollout gets `t["xtree_turn_weights"]` (one weight per action), which
+  round's state (`REWARD_BONUS`, traj_id -> bonus), and GRPO's distill (which consumes that key, so it runs
+  after this one) adds it to the verifier reward;
+- token_weights: each successful rollout gets one weight per action (`TURN_WEIGHTS` in the round's state), which
   ExIt's distill turns into weighted spans of the trajectory (`split_by_turn_weights`);
 - context: for up to `context_trajectories` rollouts per group, a teacher/student pair (the `foresight`
   table, channel "xtree"): the teacher sees the rendered tree of the task type in the task message, the
@@ -23,8 +23,17 @@ import time
 from collections import defaultdict
 from statistics import mean
 
-from rsiflow.configs.schema import ConfigError
-from rsiflow.methods.base import Contribution, DistillContext, Method, distill_row, num, teacher_loss
+from rsiflow.methods.base import (
+    REWARD_BONUS,
+    TURN_WEIGHTS,
+    Contribution,
+    DistillContext,
+    Key,
+    Method,
+    distill_row,
+    num,
+    teacher_loss,
+)
 from rsiflow.methods.srd.algorithm import with_privileged
 from rsiflow.methods.xtree import queries
 from rsiflow.methods.xtree.algorithm import (
@@ -35,7 +44,6 @@ from rsiflow.methods.xtree.algorithm import (
     online_bonus,
     render,
     turn_weights,
-    weight_runs,
 )
 from rsiflow.methods.xtree.options import XTreeOptions
 
@@ -50,34 +58,6 @@ def tree_id(run_id: str, round_no: int) -> str:
     return f"{run_id}/r{round_no}/xtree"
 
 
-def split_by_turn_weights(row: dict, weights: list[float]) -> list[dict]:
-    """An SFT example row (messages = prompt prefix + user/assistant turns, meta.train_from = where the turns
-    start) as one row per run of equal turn weight: turns [s, e) keep the conversation up to turn e, are
-    labelled from turn s on, and weigh w. One run: the row itself, reweighted. The same per-token loss as one
-    row with per-action weights (a causal LM's action tokens see only the turns before them)."""
-    start = row["meta"]["train_from"]
-    runs = weight_runs(weights)
-    if len(runs) == 1:
-        return [{**row, "weight": row["weight"] * runs[0][2], "meta": {**row["meta"], "xtree_weight": runs[0][2]}}]
-    return [{**row, "example_id": f"{row['example_id']}/t{s}-{e}", "messages": row["messages"][:start + 2 * e],
-             "weight": row["weight"] * w,
-             "meta": {**row["meta"], "train_from": start + 2 * s, "turns": [s, e], "xtree_weight": w}}
-            for s, e, w in runs]
-
-
-def _check_order(cfg) -> None:
-    """A use that feeds another method needs that method enabled, after xtree (it reads what xtree's distill
-    wrote on the round's trajectories)."""
-    from rsiflow.methods import method_class
-
-    c, names = cfg.distill.xtree, cfg.distill.methods
-    position = {method_class(n).name: i for i, n in enumerate(names)}
-    for use, needs in (("bonus", "grpo"), ("token_weights", "exit")):
-        if getattr(c, use) and (needs not in position or position[needs] < position["xtree"]):
-            raise ConfigError(f"distill.xtree.{use} feeds {needs}: list {needs} after xtree in distill.methods "
-                              f"(now {names})")
-
-
 class XTree(Method):
     """X-Tree (docs/methods.md, X-Tree): experience tokenization over canonical actions; no LLM calls."""
 
@@ -85,9 +65,9 @@ class XTree(Method):
     Options = XTreeOptions
     tables = ("xtree_trees", "xtree_nodes", "xtree_occurrences", "xtree_bonus", "foresight")
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        _check_order(cfg)
+    def provides(self) -> set[Key]:
+        c = self.cfg.distill.xtree
+        return {k for k, on in ((REWARD_BONUS, c.bonus), (TURN_WEIGHTS, c.token_weights)) if on}
 
     def params(self) -> MineParams:
         c = self.cfg.distill.xtree
@@ -132,9 +112,12 @@ class XTree(Method):
         examples: list[dict] = []
         if c.bonus:
             tables["xtree_bonus"], figures = self._bonus(tree, tid, played, symbols)
+            ctx.provide(self, REWARD_BONUS, {r["traj_id"]: r["bonus"] for r in tables["xtree_bonus"]})
             metrics.update(figures)
         if c.token_weights:
-            metrics.update(self._token_weights(tree, played, symbols))
+            weights, figures = self._token_weights(tree, played, symbols)
+            ctx.provide(self, TURN_WEIGHTS, weights)
+            metrics.update(figures)
         if c.context:
             tables["foresight"], examples = self._context(ctx, tree, played)
             metrics["context_pairs"] = len(examples)
@@ -145,7 +128,7 @@ class XTree(Method):
     # ---- uses --------------------------------------------------------------------------------------
 
     def _bonus(self, tree: Tree, tid: str, played: list[dict], symbols: dict[str, list[str]]):
-        """Rows of xtree_bonus and the round's bonus figures; writes t["xtree"] on each played trajectory."""
+        """Rows of xtree_bonus (one per played trajectory) and the round's bonus figures."""
         lam0 = self.cfg.distill.xtree.bonus_lambda
         groups: dict[str, list[dict]] = defaultdict(list)
         for t in played:
@@ -156,7 +139,6 @@ class XTree(Method):
             nodes = tree.relevant(members[0].get("task_type") or "")
             out = online_bonus([(symbols.get(t["traj_id"], []), bool(t["success"])) for t in members], nodes, lam0)
             for t, b in zip(members, out["rollouts"]):
-                t["xtree"] = {"bonus": b["bonus"], "share": b["share"], "lambda_g": out["lambda_g"]}
                 rows.append({"tree_id": tid, "traj_id": t["traj_id"], "group_id": gid, "verifier_reward": t["reward"],
                              "win_rate": out["win_rate"], "lambda_g": out["lambda_g"], "n_nodes": len(nodes),
                              "executed": b["nodes"], "share": b["share"], "bonus": b["bonus"]})
@@ -168,20 +150,19 @@ class XTree(Method):
                       "share_mean": mean(r["share"] for r in rows) if rows else None,
                       "all_fail_groups": all_fail, "all_fail_separated": separated}
 
-    def _token_weights(self, tree: Tree, played: list[dict], symbols: dict[str, list[str]]) -> dict:
-        """Writes t["xtree_turn_weights"] on each successful trajectory; returns the round's figures."""
+    def _token_weights(self, tree: Tree, played: list[dict], symbols: dict[str, list[str]]) -> tuple[dict, dict]:
+        """The per-action weights of each successful trajectory (traj_id -> weights) and the round's figures."""
         alpha = self.cfg.distill.xtree.token_weight_alpha
-        weighted, spread = 0, []
+        weights, spread = {}, []
         for t in played:
             if not t["success"]:
                 continue
             w = turn_weights(tree.relevant(t.get("task_type") or ""), symbols.get(t["traj_id"], []), alpha)
             if len(w) != t["n_turns"]:
                 raise ValueError(f"trajectory {t['traj_id']}: {len(w)} symbols for {t['n_turns']} turns")
-            t["xtree_turn_weights"] = w
-            weighted += 1
+            weights[t["traj_id"]] = w
             spread.append(max(w) / min(w))
-        return {"weighted_trajectories": weighted, "weight_ratio_max": max(spread) if spread else None}
+        return weights, {"weighted_trajectories": len(weights), "weight_ratio_max": max(spread) if spread else None}
 
     def _context(self, ctx: DistillContext, tree: Tree, played: list[dict]) -> tuple[list[dict], list[dict]]:
         """Teacher/student pairs with the task type's rendered tree as the teacher's privileged text."""

@@ -4,7 +4,7 @@ only, a cap per task type, and the counts of what each dropped."""
 import pytest
 
 from rsiflow.configs.schema import load_config
-from rsiflow.methods.base import DistillContext, Method
+from rsiflow.methods.base import TURN_WEIGHTS, DistillContext, Method
 from rsiflow.methods.exit.algorithm import exit_examples, select_examples
 from rsiflow.methods.exit.method import ExIt
 from tests.conftest import TINY, tiny_overrides
@@ -92,9 +92,9 @@ def test_exit_distill_counts_each_filter_and_the_rows_leave_invalid_turns_untrai
 
 def test_xtree_token_weight_spans_keep_untrained_turns_untrained(tmp_path):
     # turns: 0 invalid, 1 valid, 2 valid; weights make runs [0,1) and [1,3)
-    trajs = [{**_traj("a1", "A", True, ["think", "go", "take"], valid=[False, True, True]),
-              "xtree_turn_weights": [2.0, 0.5, 0.5]}]
+    trajs = [_traj("a1", "A", True, ["think", "go", "take"], valid=[False, True, True])]
     cfg, ctx = _ctx(tmp_path, trajs, "distill.xtree.token_weights=true", "distill.exit.dedupe=false")
+    ctx.state[TURN_WEIGHTS] = {"a1": [2.0, 0.5, 0.5]}   # as X-Tree's distill provides them
     out = ExIt(cfg).distill(ctx, None)
     # the span of turn 0 only trains the invalid action: left out; the span of turns 1-2 keeps the meta
     assert [e["meta"]["turns"] for e in out.examples] == [[1, 3]]
@@ -102,7 +102,7 @@ def test_xtree_token_weight_spans_keep_untrained_turns_untrained(tmp_path):
     assert span["meta"]["untrained"] == [2] and span["meta"]["train_from"] == 1 + 2 * 1
     assert out.metrics["examples"] == 1 and out.metrics["untrained_invalid_turns"] == 1
     # one run of weights: the row itself, reweighted, still with its untrained turn
-    trajs[0]["xtree_turn_weights"] = [1.0, 1.0, 1.0]
+    ctx.state[TURN_WEIGHTS] = {"a1": [1.0, 1.0, 1.0]}
     (whole,) = ExIt(cfg).distill(ctx, None).examples
     assert whole["meta"]["untrained"] == [2] and whole["meta"]["train_from"] == 1
 

@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from rsiflow.methods.exit.algorithm import weight_runs
 from rsiflow.methods.xtree.algorithm import (
     MineParams,
     Trace,
@@ -14,7 +15,6 @@ from rsiflow.methods.xtree.algorithm import (
     online_bonus,
     render,
     turn_weights,
-    weight_runs,
 )
 
 
