@@ -134,6 +134,13 @@ def distill_row(example: dict, pair: dict) -> dict:
             "tools": example["meta"].get("tools")}
 
 
+def term_loss(train_metrics: dict, name: str) -> float | None:
+    """A method's mean distillation loss over the round's steps: its own term's when several methods distilled
+    (the trainer's `distill_terms`), else the one term's."""
+    terms = train_metrics.get("distill_terms")
+    return terms[name]["loss_mean"] if terms and name in terms else train_metrics.get("distill_loss_mean")
+
+
 def teacher_loss(cfg, loss_weight: float, **extra):
     """models.trainer.DistillLoss with this method's `loss_weight` and the divergence settings of distill.srd (one
     set for every privileged-teacher term: SRD, X-Tree's context, RSIPO)."""

@@ -115,5 +115,5 @@ def encode_rows(tokenizer, rows: list[dict], max_length: int) -> tuple[list[dict
             counts[f"{kind}_too_long"] += 1
             continue
         out.append({**enc, "weight": float(row.get("weight", 1.0)), "example_id": row.get("example_id"),
-                    "kind": KINDS.index(kind)})
+                    "kind": KINDS.index(kind), "term": int(row.get("term") or 0)})
     return out, counts

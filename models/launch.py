@@ -80,6 +80,11 @@ def check_supported(cfg, rows: list[dict], distill) -> None:
     row kind and every loss works. With parameters sharded (FSDP, ZeRO-3) three things read or copy whole weights
     on every process and are refused: validation rows (per-epoch loss and best-epoch restore), the EMA teacher of
     distillation rows (a full copy updated from the local parameters) and LoRA (merged before saving)."""
+    terms = list(distill.values()) if isinstance(distill, dict) else [distill] if distill is not None else []
+    if len(terms) > 1 and getattr(cfg, "processes", 1) > 1:
+        raise ConfigError("train.processes > 1 with several distillation terms (distill.methods with more than one "
+                          "of srd, xtree context, rsipo): the launched trainer merges one term's per-step log; run "
+                          "them in one process, or one such method per run")
     settings = accelerate_settings(cfg)
     if not shards_parameters(settings):
         return
@@ -87,7 +92,7 @@ def check_supported(cfg, rows: list[dict], distill) -> None:
     if any(r.get("validation") for r in rows):
         raise ConfigError(f"{where} shards the parameters: validation rows (MASS's next-ranked episodes) need whole "
                           "weights on every process; use DDP or DeepSpeed ZeRO-1/2 for this method")
-    if distill is not None and distill.ema_rate > 0 and any(r.get("kind") == "distill" for r in rows):
+    if any(d.ema_rate > 0 for d in terms) and any(r.get("kind") == "distill" for r in rows):
         raise ConfigError(f"{where} shards the parameters: the EMA teacher of distillation rows needs whole weights; "
                           "set the method's distill ema_rate to 0 or use DDP / ZeRO-1/2")
     if cfg.lora.enabled:

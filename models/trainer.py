@@ -115,13 +115,14 @@ class RowCollator(DataCollatorForLanguageModeling):
             lp = e.get("sampled_logprobs") or []
             slp[i, :len(lp)] = torch.tensor([math.nan if x is None else x for x in lp], dtype=torch.float)
         out.update(teacher_input_ids=t_ids, teacher_attention_mask=t_mask, student_pos=s_pos, teacher_pos=t_pos,
-                   sampled_logprobs=slp, kind=torch.tensor([int(e.get("kind", 0)) for e in examples]))
+                   sampled_logprobs=slp, kind=torch.tensor([int(e.get("kind", 0)) for e in examples]),
+                   term=torch.tensor([int(e.get("term", 0)) for e in examples]))
         return out
 
 
-_ROW_COLUMNS = ("weight", "teacher_input_ids", "student_pos", "teacher_pos", "sampled_logprobs", "kind")
+_ROW_COLUMNS = ("weight", "teacher_input_ids", "student_pos", "teacher_pos", "sampled_logprobs", "kind", "term")
 _BATCH_EXTRAS = ("weights", "teacher_input_ids", "teacher_attention_mask", "student_pos", "teacher_pos",
-                 "sampled_logprobs", "kind")
+                 "sampled_logprobs", "kind", "term")
 
 
 class EmaTeacherCallback(TrainerCallback):
@@ -140,17 +141,24 @@ class RowLoss:
     """The loss of SFT and distillation rows (the module docstring's L), shared by every trainer here: the SFT
     trainer below uses it alone; StoredRolloutGRPOTrainer adds it to TRL's GRPO loss."""
 
-    distill: DistillLoss
+    terms: list[DistillLoss]
     ema_teacher: torch.nn.Module | None
     distill_log: list[dict[str, float]]
 
-    def _init_row_loss(self, distill: DistillLoss | None, has_distill_rows: bool, shared_prefix: bool = False) -> None:
-        """Call after the Trainer's __init__: the loss settings, whether a batch's shared prefix is encoded once
-        (models/shared_prefix.py) and, for distillation with ema_rate > 0, the EMA teacher. The prefix is shared
-        in one process only: it takes two forwards per backward, and a DistributedDataParallel model expects one
-        (its reducer is armed by each forward through the wrapper, which the cached second call cannot use)."""
+    def _init_row_loss(self, distill: DistillLoss | list[DistillLoss] | None, has_distill_rows: bool,
+                       shared_prefix: bool = False) -> None:
+        """Call after the Trainer's __init__: the loss settings (one DistillLoss per distillation term; a row's
+        `term` is its index), whether a batch's shared prefix is encoded once (models/shared_prefix.py) and, for
+        distillation with ema_rate > 0, the EMA teacher (one copy: every term must have the same ema_rate). The
+        prefix is shared in one process only: it takes two forwards per backward, and a DistributedDataParallel
+        model expects one (its reducer is armed by each forward through the wrapper, which the cached second call
+        cannot use)."""
         self.shared_prefix = shared_prefix and self.accelerator.num_processes == 1
-        self.distill = distill or DistillLoss()
+        self.terms = list(distill) if isinstance(distill, list | tuple) else [distill or DistillLoss()]
+        if len({d.ema_rate for d in self.terms}) > 1:
+            raise ValueError(f"distillation terms with different ema_rate ({[d.ema_rate for d in self.terms]}): "
+                             "they share one EMA teacher")
+        self.distill = self.terms[0]
         self.distill_log = []
         self.ema_teacher = None
         if has_distill_rows and self.distill.ema_rate > 0:
@@ -181,9 +189,11 @@ class RowLoss:
         n = inputs["input_ids"].shape[0]
         weights = extra.get("weights", torch.ones(n))
         kind = extra.get("kind", torch.zeros(n, dtype=torch.long))
+        term = extra.get("term", torch.zeros(n, dtype=torch.long))
         micro = self._micro_batches()
         labels = inputs["labels"]
         rows = (kind == DISTILL).nonzero().flatten()
+        term_rows = [((kind == DISTILL) & (term == t)).nonzero().flatten() for t in range(len(self.terms))]
         ids = inputs["input_ids"]
         mask = inputs.get("attention_mask")
         if mask is None:
@@ -201,7 +211,7 @@ class RowLoss:
         # this micro-batch's labelled tokens and distillation denominator, summed over the processes (see
         # _across_processes; both are this batch's own in one process), and the process count W that undoes DDP's
         # gradient average
-        sft_tokens, distill_denom = self._across_processes(labels, weights, rows)
+        sft_tokens, denoms = self._across_processes(labels, weights, term_rows)
         world = self.accelerator.num_processes
         if bool((labels[:, 1:] != -100).any()):
             # With num_items_in_batch the sum is already normalised over the whole accumulated step.
@@ -212,36 +222,39 @@ class RowLoss:
             else:
                 sft_loss = weighted_token_ce(logits, labels[:, offset:], weights, sft_tokens) * world
                 loss = loss + sft_loss / micro
-        if len(rows):
-            distill_loss, stats = self._distill_term(model, logits, ids, weights, rows, extra, distill_denom,
-                                                     offset)
+        for t, (d, t_rows) in enumerate(zip(self.terms, term_rows)):
+            if not len(t_rows):
+                continue
+            distill_loss, stats = self._distill_term(model, logits, ids, weights, t_rows, extra, denoms[t], offset, d)
             distill_loss = distill_loss * world
-            loss = loss + self.distill.loss_weight * distill_loss / micro
-            self.distill_log.append({**self._step_key(), "distill_loss": float(distill_loss.detach()),
+            loss = loss + d.loss_weight * distill_loss / micro
+            self.distill_log.append({**self._step_key(), **({"term": t} if len(self.terms) > 1 else {}),
+                                     "distill_loss": float(distill_loss.detach()),
                                      "sft_loss": float(sft_loss.detach()) if sft_loss is not None else math.nan,
                                      **stats})
         return loss, outputs
 
-    def _across_processes(self, labels, weights, rows) -> tuple[float, float]:
-        """(labelled tokens, distillation denominator: Σ w of the distillation rows, or their count with normalise
+    def _across_processes(self, labels, weights, term_rows) -> tuple[float, list[float]]:
+        """(labelled tokens, each distillation term's denominator: Σ w of its rows, or their count with normalise
         "rows") of this micro-batch, summed over all processes of an `accelerate launch` by one all-reduce, so that
         a batch's mean over the rows of every process, times W (DDP averages the gradients), is the mean one process
         holding all those rows would take. Every process calls it for every micro-batch (StoredRolloutGRPOTrainer
         also where a micro-batch has no aux rows). In one process: this batch's own figures, no communication."""
-        local = torch.tensor([float((labels[:, 1:] != -100).sum()),
-                              sum(float(weights[r]) for r in rows) if self.distill.normalise == "weights"
-                              else float(len(rows))],
+        local = torch.tensor([float((labels[:, 1:] != -100).sum())]
+                             + [sum(float(weights[r]) for r in rows) if d.normalise == "weights" else float(len(rows))
+                                for d, rows in zip(self.terms, term_rows)],
                              dtype=torch.float64)
         if self.accelerator.num_processes > 1:
             local = self.accelerator.reduce(local.to(self.accelerator.device), reduction="sum").cpu()
-        return float(local[0]), float(local[1])
+        return float(local[0]), [float(x) for x in local[1:]]
 
-    def _distill_term(self, model, logits, input_ids, weights, rows, extra,
-                      denom: float | None = None, offset: int = 0) -> tuple[torch.Tensor, dict]:
-        """Σ_e w_e · mean_t(IS_t · D_t) over the batch's distillation rows, divided by `denom` (over all processes'
-        batches, see _across_processes) or else by Σ_e w_e (normalise "weights") or their count ("rows").
-        `logits[:, j]` are the student's logits at column offset + j."""
-        d = self.distill
+    def _distill_term(self, model, logits, input_ids, weights, rows, extra, denom: float | None = None,
+                      offset: int = 0, d: DistillLoss | None = None) -> tuple[torch.Tensor, dict]:
+        """Σ_e w_e · mean_t(IS_t · D_t) over the batch's distillation rows of one term (settings `d`, default the
+        first term's), divided by `denom` (over all processes' batches, see _across_processes) or else by Σ_e w_e
+        (normalise "weights") or their count ("rows"). `logits[:, j]` are the student's logits at column
+        offset + j."""
+        d = d or self.distill
         teacher = self.ema_teacher if self.ema_teacher is not None else model
         with torch.no_grad():
             t_logits = teacher(input_ids=extra["teacher_input_ids"][rows],
@@ -540,7 +553,8 @@ class StoredRolloutGRPOTrainer(RowLoss, GRPOTrainer):
             aux_loss, _ = self._rows_loss(model, inputs["aux"])
             loss = loss + aux_loss
         elif self.aux_rows and self.accelerator.num_processes > 1:  # the others' aux batches sum over this one too
-            self._across_processes(torch.full((1, 2), -100), torch.zeros(0), torch.zeros(0, dtype=torch.long))
+            self._across_processes(torch.full((1, 2), -100), torch.zeros(0),
+                                   [torch.zeros(0, dtype=torch.long)] * len(self.terms))
         return loss
 
 
@@ -787,7 +801,7 @@ def train_candidate(
     seed: int = 0,
     dtype: str = "float32",
     on_step=None,
-    distill: DistillLoss | None = None,
+    distill: DistillLoss | dict[str, DistillLoss] | None = None,
     policy: PolicyLoss | None = None,
     trust_remote_code: bool = False,
     log_dir: str | Path | None = None,
@@ -820,6 +834,10 @@ def train_candidate(
     but no `reference_path` is an error. Metrics: with beta > 0, `kl_mean` (TRL's token-mean KL estimate, mean over
     micro-batches) and `kl` in every pg_steps_log entry.
 
+    `distill`: the settings of the distillation rows, or one per term by name (a method's), each row naming its
+    term in `term`; each term is normalised and weighted (λ) on its own and their sum is added to the loss. With
+    several terms, metrics `distill_terms` give each one's rows, mean loss and λ.
+
     `logprob_change` (metrics; one process only, absent under `accelerate launch`: the diagnostic is skipped there):
     the token-mean logprob of the trained tokens (SFT rows' labelled tokens, pg rows' action tokens; not distillation
     rows) under the parent's weights and under the weights saved, by the sign of the row's weight (SFT) or advantage
@@ -829,6 +847,13 @@ def train_candidate(
     from datasets import Dataset
 
     policy = policy or PolicyLoss()
+    terms = dict(distill) if isinstance(distill, dict) else {"distill": distill or DistillLoss()}
+    names = list(terms)
+    for r in rows:
+        if r.get("kind") == "distill" and len(names) > 1 and r.get("term") not in terms:
+            raise ValueError(f"distillation row {r.get('example_id')!r}: term {r.get('term')!r} is not one of {names}")
+    rows = [{**r, "term": names.index(r["term"]) if r.get("term") in terms else 0} for r in rows]
+    distill = terms[names[0]]
     if policy.reference == "base" and policy.beta > 0 and any(r.get("kind") == "pg" for r in rows):
         if reference_path is None:
             raise ValueError("policy.reference is 'base' with beta > 0 but train_candidate got no reference_path "
@@ -846,7 +871,6 @@ def train_candidate(
     encoded, counts = encode_rows(tokenizer, [r for r in rows if r.get("kind") != "pg"], cfg.max_length)
     sft = [r for r in encoded if r["kind"] != DISTILL]
     dis = [r for r in encoded if r["kind"] == DISTILL]
-    distill = distill or DistillLoss()
     metrics: dict[str, Any] = {"examples": len(sft), "dropped_too_long": counts["sft_too_long"], "steps": 0,
                                "trained_tokens": int(sum(sum(lab != -100 for lab in r["labels"]) for r in sft)),
                                "train_loss": None}
@@ -879,7 +903,7 @@ def train_candidate(
         args = grpo_args(cfg, policy, trainer_dir.name, seed, len(pg), use_cpu, bf16, report)
         trainer = StoredRolloutGRPOTrainer(model=model, args=args, processing_class=tokenizer, peft_config=peft_config,
                                            callbacks=callbacks, pg_rows=pg, aux_rows=encoded, policy=policy,
-                                           distill=distill, shared_prefix=cfg.shared_prefix)
+                                           distill=list(terms.values()), shared_prefix=cfg.shared_prefix)
         mismatch = trainer.prepare_old_policy()
         if policy.beta > 0 and policy.reference_path:
             trainer.prepare_reference(policy.reference_path, dtype, trust_remote_code)
@@ -912,8 +936,8 @@ def train_candidate(
         best = BestValidationCallback(validation, tokenizer.pad_token_id, cfg.batch_size) if validation else None
         trainer = RoundTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                                peft_config=peft_config, callbacks=callbacks + ([best] if best else []),
-                               data_collator=RowCollator(pad_token_id=tokenizer.pad_token_id), distill=distill,
-                               shared_prefix=cfg.shared_prefix)
+                               data_collator=RowCollator(pad_token_id=tokenizer.pad_token_id),
+                               distill=list(terms.values()), shared_prefix=cfg.shared_prefix)
     _log_to(trainer, log_dir)
     # the learning diagnostic (logprob_change): one process only; under accelerate launch it is skipped
     diagnose = trainer.accelerator.num_processes == 1
@@ -949,6 +973,11 @@ def train_candidate(
                        distill_loss_mean=sum(dl) / len(dl) if dl else None,
                        is_weight_mean=(sum(h["is_weight_mean"] for h in trainer.distill_log) / len(dl)) if dl else None,
                        distill_loss_weight=distill.loss_weight, ema_teacher=distill.ema_rate > 0)
+        if len(names) > 1:
+            per = {i: [h["distill_loss"] for h in trainer.distill_log if h.get("term") == i] for i in range(len(names))}
+            metrics["distill_terms"] = {
+                name: {"rows": sum(r["term"] == i for r in dis), "loss_weight": terms[name].loss_weight,
+                       "loss_mean": sum(per[i]) / len(per[i]) if per[i] else None} for i, name in enumerate(names)}
     if pg:
         log = trainer.pg_log
         clips = [h["clip_ratio"] for h in log if not math.isnan(h["clip_ratio"])]

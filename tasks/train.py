@@ -28,9 +28,17 @@ def candidate_id(cfg: Config, round_no: int) -> str:
     return f"{cfg.run.name}/r{round_no}/candidate"
 
 
+def distill_terms(methods):
+    """The distillation loss terms of the round, one per method that has one (`distill_loss`): that method's
+    settings (None: no term; one term: its settings, every distillation row in it; several: by method name, each
+    row in its method's term, so SRD and RSIPO train together with their own λ)."""
+    terms = {m.name: loss for m in methods if (loss := m.distill_loss()) is not None}
+    return None if not terms else next(iter(terms.values())) if len(terms) == 1 else terms
+
+
 def _one_loss(methods, kind: str):
-    """The one loss setting (`distill_loss` or `policy_loss`) of the methods that have one; two different ones
-    are a config error (the trainer takes one of each)."""
+    """The one loss setting (`policy_loss`) of the methods that have one; two different ones are a config error (the
+    trainer takes one policy-gradient loss)."""
     losses = {m.name: getattr(m, kind)() for m in methods}
     losses = {name: loss for name, loss in losses.items() if loss is not None}
     if len(set(losses.values())) > 1:
@@ -140,8 +148,9 @@ def train_round(cfg: Config, round_no: int) -> dict:
         examples = [{**e, "meta": json.loads(e["meta"] or "{}")} for e in store.examples_dataset(run_id, round_no)]
         replayed, replay_counts = replay_buffer(store, cfg, methods, round_no, examples)
         for m in methods:
-            rows += m.training_rows(store, run_id, round_no,
-                                    [e for e in examples if e["method"] == m.name] + replayed.get(m.name, []))
+            mine = [e for e in examples if e["method"] == m.name] + replayed.get(m.name, [])
+            rows += [{**r, "term": m.name} if r.get("kind") == "distill" else r
+                     for r in m.training_rows(store, run_id, round_no, mine)]
     replay_round = {e["example_id"]: e["round"] for es in replayed.values() for e in es}
     out_dir = run_dir(cfg) / "models" / f"round-{round_no}-candidate"
     if out_dir.exists():  # a rerun after a crash: train again from the parent
@@ -161,7 +170,7 @@ def train_round(cfg: Config, round_no: int) -> dict:
         ui.update(step, total, f"round {round_no} train: step {step} of {total} ({len(rows)} rows)", last=step == total)
 
     job = dict(model_path=parent_path, rows=rows, out_dir=out_dir, seed=round_seed(cfg, round_no, 1),
-               dtype=cfg.model.dtype, distill=_one_loss(methods, "distill_loss"),
+               dtype=cfg.model.dtype, distill=distill_terms(methods),
                policy=_one_loss(methods, "policy_loss"), trust_remote_code=cfg.model.trust_remote_code,
                log_dir=run_dir(cfg) / "tensorboard" / f"round-{round_no}", run_name=f"{run_id}-round-{round_no}",
                reference_path=reference_path)

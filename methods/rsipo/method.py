@@ -27,7 +27,17 @@ from statistics import mean
 from rsiflow.configs.schema import ConfigError
 from rsiflow.envs.base import TaskSpec
 from rsiflow.envs.rollout import Episode, env_factory, episode_rows, round_seed
-from rsiflow.methods.base import POLICY_LOSS, Contribution, DistillContext, Key, Method, distill_row, num, teacher_loss
+from rsiflow.methods.base import (
+    POLICY_LOSS,
+    Contribution,
+    DistillContext,
+    Key,
+    Method,
+    distill_row,
+    num,
+    teacher_loss,
+    term_loss,
+)
 from rsiflow.methods.rsipo import queries
 from rsiflow.methods.rsipo.algorithm import (
     LibrarySkill,
@@ -438,7 +448,7 @@ class RSIPO(Method):
     def round_metrics(cls, distill_metrics: dict | None, train_metrics: dict) -> dict | None:
         if distill_metrics is None:
             return None
-        return {**distill_metrics, "distill_loss": train_metrics.get("distill_loss_mean")}
+        return {**distill_metrics, "distill_loss": term_loss(train_metrics, cls.name)}
 
     @classmethod
     def report_section(cls, rounds: list[dict]) -> list[str]:

@@ -18,7 +18,7 @@ from statistics import mean
 from rsiflow.configs.schema import Config
 from rsiflow.envs.base import TaskSpec
 from rsiflow.envs.rollout import env_factory, env_observation, round_seed
-from rsiflow.methods.base import Contribution, DistillContext, Method, distill_row, num, teacher_loss
+from rsiflow.methods.base import Contribution, DistillContext, Method, distill_row, num, teacher_loss, term_loss
 from rsiflow.methods.srd.algorithm import (
     Attempt,
     ForesightPair,
@@ -248,7 +248,7 @@ class SRD(Method):
     def round_metrics(cls, distill_metrics: dict | None, train_metrics: dict) -> dict | None:
         if distill_metrics is None:
             return None
-        return {**distill_metrics, "distill_loss": train_metrics.get("distill_loss_mean"),
+        return {**distill_metrics, "distill_loss": term_loss(train_metrics, cls.name),
                 "distill_examples": train_metrics.get("distill_examples"),
                 "misaligned": train_metrics.get("distill_misaligned")}
 

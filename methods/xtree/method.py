@@ -33,6 +33,7 @@ from rsiflow.methods.base import (
     distill_row,
     num,
     teacher_loss,
+    term_loss,
 )
 from rsiflow.methods.srd.algorithm import with_privileged
 from rsiflow.methods.xtree import queries
@@ -206,7 +207,7 @@ class XTree(Method):
             return None
         if "context_pairs" not in distill_metrics:
             return distill_metrics
-        return {**distill_metrics, "distill_loss": train_metrics.get("distill_loss_mean")}
+        return {**distill_metrics, "distill_loss": term_loss(train_metrics, cls.name)}
 
     @classmethod
     def report_section(cls, rounds: list[dict]) -> list[str]:

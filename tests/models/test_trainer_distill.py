@@ -197,3 +197,39 @@ def test_the_loss_does_not_grow_with_gradient_accumulation(tiny_path, tmp_path, 
     moved = [(a - p).abs().sum().item() for a, p in zip(params["one"].parameters(), parent.parameters())]
     diff = [(a - b).abs().sum().item() for a, b in zip(params["one"].parameters(), params["accum"].parameters())]
     assert sum(moved) > 0 and sum(diff) < 1e-3 * sum(moved)
+
+
+def test_two_methods_distill_together_each_with_its_own_weight(tiny_path, tmp_path, tok):
+    """Several distillation terms (SRD's and RSIPO's, say) train in one run: each is normalised over its own rows
+    and weighted by its own λ. With RSIPO's λ = 0 the step equals one that has SRD's rows alone."""
+    student, teacher = _pair()
+    sft = [{"example_id": f"s{i}", "kind": "sft", "messages": student, "weight": 1.0, "train_from": 2}
+           for i in range(2)]
+
+    def dis(term, i, weight):
+        return {"example_id": f"{term}{i}", "kind": "distill", "student": student, "teacher": teacher,
+                "train_from": 2, "weight": weight, "term": term}
+
+    srd = [dis("srd", i, 1.0) for i in range(2)]
+    rsipo = [dis("rsipo", i, 3.0) for i in range(2)]
+    cfg = TrainConfig(learning_rate=1e-3, epochs=1, batch_size=6, warmup_ratio=0.0, lr_scheduler="constant")
+    srd_loss = DistillLoss(loss_weight=50.0, ema_rate=0.0, top_k=16, is_clip=None)
+    both, _ = train_candidate(tiny_path, sft + srd + rsipo, tmp_path / "both", cfg, seed=0,
+                              distill={"srd": srd_loss, "rsipo": DistillLoss(loss_weight=0.0, ema_rate=0.0, top_k=16,
+                                                                             is_clip=None, normalise="rows")})
+    alone, _ = train_candidate(tiny_path, sft + [{k: v for k, v in r.items() if k != "term"} for r in srd],
+                               tmp_path / "alone", cfg, seed=0, distill=srd_loss)
+    assert both["steps"] == alone["steps"] == 1
+    terms = both["distill_terms"]
+    assert terms["srd"]["rows"] == 2 and terms["rsipo"]["rows"] == 2 and terms["rsipo"]["loss_weight"] == 0.0
+    assert terms["srd"]["loss_mean"] == pytest.approx(alone["distill_loss_mean"], rel=1e-5)
+    assert terms["rsipo"]["loss_mean"] > 0   # computed and logged, weighted by 0
+    a, _ = load_model_and_tokenizer(tmp_path / "both")
+    b, _ = load_model_and_tokenizer(tmp_path / "alone")
+    parent, _ = load_model_and_tokenizer(tiny_path)
+    moved = sum((x - p).abs().sum().item() for x, p in zip(b.parameters(), parent.parameters()))
+    diff = sum((x - y).abs().sum().item() for x, y in zip(a.parameters(), b.parameters()))
+    assert moved > 0 and diff < 1e-3 * moved
+    with pytest.raises(ValueError, match="term 'mass' is not one of"):
+        train_candidate(tiny_path, [dis("mass", 0, 1.0)], tmp_path / "bad", cfg,
+                        distill={"srd": srd_loss, "rsipo": srd_loss})

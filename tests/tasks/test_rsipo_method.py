@@ -184,7 +184,7 @@ def test_a_round_of_skills_replays_trust_and_library(tmp_path, tiny_path):
 
     # training: the rows train a candidate; distill rows and evolution rows are both trained
     from rsiflow.models.trainer import train_candidate
-    from rsiflow.tasks.train import _one_loss
+    from rsiflow.tasks.train import _one_loss, distill_terms
 
     methods = enabled_methods(cfg)
     examples = [{**e, "meta": json.loads(e["meta"] or "{}")} for e in store.examples_dataset("tiny", 1)]
@@ -192,8 +192,8 @@ def test_a_round_of_skills_replays_trust_and_library(tmp_path, tiny_path):
                                                                            if e["method"] == m.name])]
     store.close()
     assert {r["kind"] for r in rows if r["example_id"].endswith(("/distill", "/evolution"))} == {"distill", "pg"}
-    metrics, used = train_candidate(tiny_path, rows, tmp_path / "cand", cfg.train, distill=_one_loss(methods,
-                                    "distill_loss"), policy=_one_loss(methods, "policy_loss"))
+    metrics, used = train_candidate(tiny_path, rows, tmp_path / "cand", cfg.train, distill=distill_terms(methods),
+                                    policy=_one_loss(methods, "policy_loss"))
     assert {e["example_id"] for e in distill_rows} <= set(used)
     assert metrics["distill_examples"] == len(distill_rows) and math.isfinite(metrics["distill_loss_mean"])
     nonzero = {e["example_id"] for e in evolution if json.loads(e["meta"])["advantage"] != 0.0}
