@@ -16,10 +16,12 @@ plus prefill tokens per episode against the final context length.
 With `--vllm`, the same recorded calls are replayed through the `vllm` backend (the same templated
 prompt ids, each row sampling exactly as many tokens as the `hf` engine's row did, eos ignored, prefix
 caching on), and the run also prints vLLM's engine start time, its generated tok/s and prefill per
-episode against the `hf` engine's, and each engine's processed tokens/s (prefill + generated, in
-backend calls only) against this machine's limit measured in the same run: the model's matmul FLOPs
-per token (2 x the weights of its Linear layers, lm_head included; attention's context term left out)
-into the fp32 matmul GFLOP/s torch reaches here.
+episode against the `hf` engine's, and vLLM's processed tokens/s against the same limit as the hf engine's.
+
+Every run prints the hf engine's processed tokens/s (prefill + generated, in backend calls only) against
+this machine's limit measured in the same run (bench/roofline.py): the matmul FLOP/s the model's device
+reaches in its dtype, over the model's matmul FLOPs per token. On a GPU the model and the baseline run there
+(`--dtype bfloat16` for its tensor cores).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
+from bench import roofline
 from rsiflow.envs import make_env
 from rsiflow.envs.rollout import Episode, run_episodes
 from rsiflow.models.backend import SamplingParams
@@ -71,12 +74,15 @@ def baseline_seconds(backend: HFBackend, calls, params: SamplingParams) -> tuple
             ids = torch.tensor([[tok.pad_token_id] * (width - len(prompts[i])) + prompts[i] for i in chunk])
             pad = torch.tensor([width - len(prompts[i]) for i in chunk])
             mask = (torch.arange(width)[None, :] >= pad[:, None]).long()
+            ids, mask = ids.to(model.device), mask.to(model.device)
             cfg = GenerationConfig(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=params.temperature > 0,
                                    temperature=params.temperature or None, top_p=params.top_p, top_k=0,
                                    pad_token_id=tok.pad_token_id, eos_token_id=None)
             t0 = time.perf_counter()
             with torch.inference_mode():
                 out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
             seconds += time.perf_counter() - t0
             tokens += (out.shape[1] - width) * len(chunk)
     return seconds, tokens
@@ -91,6 +97,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32", help="the hf backend's dtype (float32, bfloat16, float16)")
     ap.add_argument("--kv-reuse", action="store_true", help="the engine's backend reuses KV caches across turns")
     ap.add_argument("--vllm", action="store_true", help="also replay the calls through the vllm backend")
     ap.add_argument("--vllm-python", default=None, help="interpreter with vllm (default: backend.vllm.python's)")
@@ -99,7 +106,7 @@ def main() -> None:
     args = ap.parse_args()
 
     path = resolve_base_model(args.model, Path(args.cache).expanduser())
-    backend = HFBackend(path, max_batch_size=args.batch, kv_reuse=args.kv_reuse)
+    backend = HFBackend(path, max_batch_size=args.batch, kv_reuse=args.kv_reuse, dtype=args.dtype)
     tasks = make_env("household").sample_tasks("train", args.episodes, args.seed)
     episodes = [Episode(traj_id=f"b{i}", task=t, group_id=t.task_id, sample_idx=0) for i, t in enumerate(tasks)]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=0.95, seed=args.seed)
@@ -126,16 +133,16 @@ def main() -> None:
     print(f"ratio    : engine / baseline = {engine_rate / base_rate:.3f}   (budget >= 0.9)")
     print(f"prefill  : {prefill:.0f} prompt tokens per episode vs final context {final_ctx:.0f} "
           f"= {prefill / final_ctx:.2f}x   (budget <= 1.2x, needs KV reuse across turns)")
-    if not args.vllm:
-        return
-    gflops = matmul_gflops()
-    per_token = flops_per_token(backend.model)
-    limit = gflops * 1e9 / per_token
+    flops = roofline.matmul_flops(backend.model)
+    per_token = roofline.flops_per_token(backend.model)
+    limit = flops / per_token
     hf_processed = (prefill * len(episodes) + sampled) / rec.seconds
-    print(f"limit    : fp32 matmul {gflops:.0f} GFLOP/s on {torch.get_num_threads()} threads / "
+    print(f"limit    : matmul {flops / 1e9:.0f} GFLOP/s ({roofline.describe(backend.model)}) / "
           f"{per_token / 1e6:.0f} MFLOP per token = {limit:.0f} processed tok/s")
     print(f"hf       : {hf_processed:.0f} processed tok/s (prefill + generated, in backend.generate) "
-          f"= {hf_processed / limit:.2f} of the limit")
+          f"= {hf_processed / limit:.3f} of the limit")
+    if not args.vllm:
+        return
     replay_vllm(args, path, backend, rec, params, sampled, engine_rate, prefill, limit)
 
 
@@ -167,23 +174,6 @@ def replay_vllm(args, path, backend: HFBackend, rec: Recorder, params: SamplingP
     print(f"vllm     : prefill {prefilled / n:.0f} tokens per episode (prefix cache served "
           f"{1 - prefilled / prompt_total:.0%} of {prompt_total / n:.0f}) vs hf kv_reuse {hf_prefill:.0f}")
     print(f"vllm     : {processed:.0f} processed tok/s = {processed / limit:.2f} of the limit")
-
-
-def matmul_gflops(seconds: float = 2.0) -> float:
-    """fp32 GFLOP/s of a SmolLM2-sized matmul (512 tokens x 576 -> 1536) on this machine's torch threads."""
-    a, b = torch.randn(512, 576), torch.randn(576, 1536)
-    for _ in range(3):
-        a @ b
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ b
-        n += 1
-    return 2 * 512 * 576 * 1536 * n / (time.perf_counter() - t0) / 1e9
-
-
-def flops_per_token(model) -> float:
-    """2 x the weights of every Linear layer (lm_head included): matmul FLOPs of one token's forward pass."""
-    return 2.0 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def _sampled(g) -> int:

@@ -21,3 +21,6 @@ def test_bench_engine_prints_its_ratios():
     prefill = re.search(r"prefill  : (\d+) prompt tokens per episode vs final context (\d+)", out.stdout)
     assert ratio and float(ratio.group(1)) > 0
     assert prefill and int(prefill.group(1)) > 0 and int(prefill.group(2)) > 0
+    # the roofline of the same run: a positive limit, and the engine's share of it below 1
+    fraction = re.search(r"hf       : \d+ processed tok/s .* = ([0-9.]+) of the limit", out.stdout)
+    assert fraction and 0 < float(fraction.group(1)) < 1, out.stdout
