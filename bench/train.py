@@ -6,7 +6,8 @@ Trains a candidate through the real path (`models.trainer.train_candidate`, TRL'
 collator and loss) on solved household episodes by the env's scripted expert: the rows ExIt trains on, with
 the few-shot demonstration in the prompt. Prints the tokens processed per second (every input token of a row
 goes forward and backward, labelled or not) between the end of the first optimizer step and the end of the
-last (model loading, the first step's warm-up and the checkpoint save left out), and that rate as a fraction
+last (model loading, the first step's warm-up and the checkpoint save left out; the tokens of those steps taken as
+(N - 1) / N of all, the rows being shuffled into steps of equal size), and that rate as a fraction
 of the limit bench/roofline.py measures in the same process for the model's dtype and device: the matmul
 FLOP/s reached there over 3 x the model's forward matmul FLOPs per token.
 """
@@ -45,6 +46,8 @@ def expert_rows(n: int, seed: int) -> list[dict]:
                 break
             msgs.append({"role": "user", "content": render_observation(res.observation, env.admissible_actions(),
                                                                        True)})
+        else:
+            raise RuntimeError(f"the household expert did not finish task {task.task_id} in 50 steps")
         rows.append({"example_id": f"e{i}", "kind": "sft", "messages": msgs, "weight": 1.0,
                      "train_from": len(prefix)})
     return rows

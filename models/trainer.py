@@ -158,7 +158,7 @@ class RowLoss:
         if len({d.ema_rate for d in self.terms}) > 1:
             raise ValueError(f"distillation terms with different ema_rate ({[d.ema_rate for d in self.terms]}): "
                              "they share one EMA teacher")
-        self.distill = self.terms[0]
+        self.distill = self.terms[0]   # its ema_rate is every term's
         self.distill_log = []
         self.ema_teacher = None
         if has_distill_rows and self.distill.ema_rate > 0:
@@ -248,13 +248,11 @@ class RowLoss:
             local = self.accelerator.reduce(local.to(self.accelerator.device), reduction="sum").cpu()
         return float(local[0]), [float(x) for x in local[1:]]
 
-    def _distill_term(self, model, logits, input_ids, weights, rows, extra, denom: float | None = None,
-                      offset: int = 0, d: DistillLoss | None = None) -> tuple[torch.Tensor, dict]:
-        """Σ_e w_e · mean_t(IS_t · D_t) over the batch's distillation rows of one term (settings `d`, default the
-        first term's), divided by `denom` (over all processes' batches, see _across_processes) or else by Σ_e w_e
-        (normalise "weights") or their count ("rows"). `logits[:, j]` are the student's logits at column
-        offset + j."""
-        d = d or self.distill
+    def _distill_term(self, model, logits, input_ids, weights, rows, extra, denom: float | None,
+                      offset: int, d: DistillLoss) -> tuple[torch.Tensor, dict]:
+        """Σ_e w_e · mean_t(IS_t · D_t) over the batch's distillation rows of one term (settings `d`), divided by
+        `denom` (over all processes' batches, see _across_processes) or else by Σ_e w_e (normalise "weights") or
+        their count ("rows"). `logits[:, j]` are the student's logits at column offset + j."""
         teacher = self.ema_teacher if self.ema_teacher is not None else model
         with torch.no_grad():
             t_logits = teacher(input_ids=extra["teacher_input_ids"][rows],

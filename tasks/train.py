@@ -36,13 +36,13 @@ def distill_terms(methods):
     return None if not terms else next(iter(terms.values())) if len(terms) == 1 else terms
 
 
-def _one_loss(methods, kind: str):
-    """The one loss setting (`policy_loss`) of the methods that have one; two different ones are a config error (the
+def _policy_loss(methods):
+    """The one `policy_loss` setting of the methods that have one; two different ones are a config error (the
     trainer takes one policy-gradient loss)."""
-    losses = {m.name: getattr(m, kind)() for m in methods}
+    losses = {m.name: m.policy_loss() for m in methods}
     losses = {name: loss for name, loss in losses.items() if loss is not None}
     if len(set(losses.values())) > 1:
-        raise ConfigError(f"distill.methods: {sorted(losses)} each set a {kind} and they differ ({losses}); "
+        raise ConfigError(f"distill.methods: {sorted(losses)} each set a policy_loss and they differ ({losses}); "
                           "the trainer takes one: give them the same settings")
     return next(iter(losses.values()), None)
 
@@ -171,7 +171,7 @@ def train_round(cfg: Config, round_no: int) -> dict:
 
     job = dict(model_path=parent_path, rows=rows, out_dir=out_dir, seed=round_seed(cfg, round_no, 1),
                dtype=cfg.model.dtype, distill=distill_terms(methods),
-               policy=_one_loss(methods, "policy_loss"), trust_remote_code=cfg.model.trust_remote_code,
+               policy=_policy_loss(methods), trust_remote_code=cfg.model.trust_remote_code,
                log_dir=run_dir(cfg) / "tensorboard" / f"round-{round_no}", run_name=f"{run_id}-round-{round_no}",
                reference_path=reference_path)
     try:

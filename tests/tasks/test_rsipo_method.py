@@ -184,7 +184,7 @@ def test_a_round_of_skills_replays_trust_and_library(tmp_path, tiny_path):
 
     # training: the rows train a candidate; distill rows and evolution rows are both trained
     from rsiflow.models.trainer import train_candidate
-    from rsiflow.tasks.train import _one_loss, distill_terms
+    from rsiflow.tasks.train import _policy_loss, distill_terms
 
     methods = enabled_methods(cfg)
     examples = [{**e, "meta": json.loads(e["meta"] or "{}")} for e in store.examples_dataset("tiny", 1)]
@@ -193,7 +193,7 @@ def test_a_round_of_skills_replays_trust_and_library(tmp_path, tiny_path):
     store.close()
     assert {r["kind"] for r in rows if r["example_id"].endswith(("/distill", "/evolution"))} == {"distill", "pg"}
     metrics, used = train_candidate(tiny_path, rows, tmp_path / "cand", cfg.train, distill=distill_terms(methods),
-                                    policy=_one_loss(methods, "policy_loss"))
+                                    policy=_policy_loss(methods))
     assert {e["example_id"] for e in distill_rows} <= set(used)
     assert metrics["distill_examples"] == len(distill_rows) and math.isfinite(metrics["distill_loss_mean"])
     nonzero = {e["example_id"] for e in evolution if json.loads(e["meta"])["advantage"] != 0.0}
@@ -270,11 +270,12 @@ def test_trust_weights_scale_the_distillation_term(tiny_path):
             enc, _ = encode_rows(tok, [{"kind": "distill", "example_id": "e", "student": student, "teacher": teacher,
                                         "train_from": 1, "weight": w}], 512)
             batch = RowCollator(pad_token_id=tok.pad_token_id)(enc)
-            host = type("Host", (), {"distill": DistillLoss(ema_rate=0.0, normalise=normalise), "ema_teacher": None})()
+            host = type("Host", (), {"ema_teacher": None})()
             with torch.no_grad():
                 logits = model(input_ids=batch["input_ids"]).logits
                 term, _ = RowLoss._distill_term(host, model, logits, batch["input_ids"], batch["weights"],
-                                                torch.tensor([0]), batch)
+                                                torch.tensor([0]), batch, None, 0,
+                                                DistillLoss(ema_rate=0.0, normalise=normalise))
             terms[normalise, w] = float(term)
     assert terms["rows", 1.0] > 0
     assert terms["rows", 0.5] == pytest.approx(terms["rows", 1.0] / 2)
