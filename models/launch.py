@@ -11,8 +11,9 @@ The train step calls `train_launched` instead of `models.trainer.train_candidate
 3. reads rank 0's `<job_dir>/result.json` (metrics and the ids of the rows trained on). Only rank 0 saves the
    candidate and writes the result; the store rows stay the train step's, written after this returns.
 
-A job that exits non-zero raises `LaunchError` with one line: the exit code, the last exception line of the
-log, and the log's path. The step then registers nothing; a rerun clears `<job_dir>` and the output folder.
+A job that exits non-zero raises `LaunchError` with one line: the exit code, the first failed rank's exception
+(its `<job_dir>/error-rank<r>`, else the log's last exception line, else the launcher's root-cause summary),
+and the log's path. The step then registers nothing; a rerun clears `<job_dir>` and the output folder.
 
 Without an accelerate_config, F is a file written here: one machine, `distributed_type: MULTI_GPU` (accelerate's
 torchrun launcher: N local processes), no mixed precision (the trainer picks bf16 from model.dtype). On a machine
@@ -50,6 +51,7 @@ from rsiflow.configs.schema import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 JOB, RESULT, PROGRESS, LOG, ACCELERATE_YAML = "job.pkl", "result.json", "progress", "launch.log", "accelerate.yaml"
+ERROR_PREFIX = "error-rank"  # + rank: what a training process raised (models/train_worker.py writes it)
 
 
 class LaunchError(RuntimeError):
@@ -131,17 +133,29 @@ def launch_command(cfg, job_dir: str | Path, port: int | None = None, python: st
     return cmd + ["-m", "rsiflow.models.train_worker", str(job_dir)]
 
 
-def _last_error(log: Path) -> str:
-    """The log's last exception line from a training process (not the launcher's ChildFailedError wrapper), else
-    its last non-empty line."""
+def _last_error(job_dir: Path) -> str:
+    """Why the job failed, in one line: the exception of the rank that failed first (the oldest
+    `error-rank<r>` file; the others usually fail after it, on the broken collective), else the log's last
+    exception line from a training process (not the launcher's ChildFailedError wrapper), else the launcher's
+    root-cause summary (rank and exit code of a process that died without a Python exception), else the log's
+    last line that is not a rule."""
+    errors = sorted(job_dir.glob(ERROR_PREFIX + "*"), key=lambda p: p.stat().st_mtime)
+    for path in errors:
+        with contextlib.suppress(OSError):
+            return path.read_text(errors="replace").splitlines()[0][:400]
     try:
-        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+        lines = [ln.strip() for ln in (job_dir / LOG).read_text(errors="replace").splitlines() if ln.strip()]
     except OSError:
         return "(no log)"
     pattern = re.compile(r"^(\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(Error|Exception|Interrupt)|Killed)\b")
-    errors = [ln for ln in lines if pattern.match(ln) and "ChildFailedError" not in ln]
-    line = errors[-1] if errors else (lines[-1] if lines else "(empty log)")
-    return line[:400]
+    found = [ln for ln in lines if pattern.match(ln) and "ChildFailedError" not in ln]
+    if found:
+        return found[-1][:400]
+    cause = [ln for ln in lines if re.match(r"^(rank|exitcode|error_file)\s*:", ln)]
+    if cause:
+        return "no exception in the log; launcher's root cause: " + ", ".join(" ".join(ln.split()) for ln in cause[:3])
+    lines = [ln for ln in lines if not re.fullmatch(r"[=\-_ ]+", ln)]
+    return (lines[-1] if lines else "(empty log)")[:400]
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -192,7 +206,7 @@ def train_launched(job_dir: str | Path, cfg, on_step=None, poll_s: float = 1.0,
     _report_progress(job_dir / PROGRESS, on_step, seen)
     if proc.returncode != 0:
         raise LaunchError(f"accelerate launch ({cfg.processes} processes) exited with {proc.returncode}: "
-                          f"{_last_error(log)} (log: {log})")
+                          f"{_last_error(job_dir)} (log: {log})")
     try:
         result = json.loads((job_dir / RESULT).read_text())
     except (OSError, ValueError) as e:

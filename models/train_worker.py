@@ -6,7 +6,9 @@ TrainConfig, seed, losses, output folder) and runs `models.trainer.train_candida
 the processes (accelerate reads the launcher's RANK / WORLD_SIZE / MASTER_ADDR) and deals the batches out by
 rank. Rank 0 alone saves the candidate (train_candidate does that), writes `<job_dir>/progress` ("step total",
 replaced after every optimizer step) and, at the end, `<job_dir>/result.json` (metrics and the ids of the rows
-trained on). Nothing here touches the store.
+trained on). A process that raises writes `<job_dir>/error-rank<r>` (its exception line, then the traceback)
+before it exits, so the launcher's one-line error names the real cause whatever else the log holds. Nothing here
+touches the store.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import json
 import os
 import pickle
 import sys
+import traceback
 from pathlib import Path
 
-from rsiflow.models.launch import JOB, PROGRESS, RESULT
+from rsiflow.models.launch import ERROR_PREFIX, JOB, PROGRESS, RESULT
 
 
 def _write(path: Path, text: str) -> None:
@@ -31,9 +34,18 @@ def main(argv: list[str]) -> int:
         print("usage: python -m rsiflow.models.train_worker <job_dir>  (started by accelerate launch)", file=sys.stderr)
         return 2
     job_dir = Path(argv[0])
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        return _run(job_dir, rank)
+    except BaseException as e:
+        line = traceback.format_exception_only(type(e), e)[-1].strip()
+        _write(job_dir / f"{ERROR_PREFIX}{rank}", f"rank {rank}: {line}\n{traceback.format_exc()}")
+        raise
+
+
+def _run(job_dir: Path, rank: int) -> int:
     with open(job_dir / JOB, "rb") as f:
         job = pickle.load(f)
-    rank = int(os.environ.get("RANK", "0"))
     on_step = (lambda step, total: _write(job_dir / PROGRESS, f"{step} {total}\n")) if rank == 0 else None
 
     from rsiflow.models.trainer import train_candidate

@@ -12,6 +12,7 @@ train.processes=2 registers its candidate.
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,15 @@ import torch
 import yaml
 
 from rsiflow.configs.schema import ConfigError, TrainConfig, load_config
-from rsiflow.models.launch import LaunchError, check_supported, launch_command, train_launched, uses_launcher
+from rsiflow.models.launch import (
+    LOG,
+    LaunchError,
+    _last_error,
+    check_supported,
+    launch_command,
+    train_launched,
+    uses_launcher,
+)
 from rsiflow.models.trainer import DistillLoss, PolicyLoss, train_candidate
 from tests.conftest import REPO, TINY, tiny_overrides
 
@@ -138,6 +147,36 @@ def _compare(one: dict, two: dict) -> float:
     return dev
 
 
+def test_a_failed_job_names_the_rank_that_failed_first(tmp_path):
+    """The one-line reason: the oldest error-rank file, else the log's exception line, else the launcher's
+    root-cause summary; never a rule line."""
+    (tmp_path / LOG).write_text("$ accelerate launch ...\n[rank1]: RuntimeError: Connection closed by peer\n"
+                                "=====\n")
+    assert _last_error(tmp_path) == "[rank1]: RuntimeError: Connection closed by peer"
+    (tmp_path / "error-rank0").write_text("rank 0: OSError: disk full\nTraceback ...\n")
+    later = tmp_path / "error-rank1"
+    later.write_text("rank 1: RuntimeError: Connection closed by peer\n")
+
+    os.utime(later, (later.stat().st_mtime + 5,) * 2)
+    assert _last_error(tmp_path) == "rank 0: OSError: disk full"
+    for f in tmp_path.glob("error-rank*"):
+        f.unlink()
+    (tmp_path / LOG).write_text("$ accelerate launch ...\n" + "=" * 40 + "\nRoot Cause (first observed failure):\n"
+                                "[0]:\n  time      : 2026-12-04_20:01:02\n  rank      : 1 (local_rank: 1)\n"
+                                "  exitcode  : 1 (pid: 123)\n  error_file: <N/A>\n" + "=" * 40 + "\n")
+    message = _last_error(tmp_path)
+    assert "rank : 1" in message and "exitcode : 1" in message and "=" not in message.replace(" : ", "")
+
+
+def _launched(job_dir, cfg, **kwargs):
+    """train_launched for a job expected to succeed: on a failure the log's tail goes to the test's output."""
+    try:
+        return train_launched(job_dir, cfg, **kwargs)
+    except LaunchError:
+        print("".join((Path(job_dir) / LOG).read_text(errors="replace").splitlines(keepends=True)[-60:]))
+        raise
+
+
 @pytest.mark.slow
 def test_sft_two_processes_match_one_and_a_crashed_job_fails_in_one_line(tiny_path, tmp_path):
     from tests.models.test_trainer_sft import expert_conversation
@@ -160,7 +199,7 @@ def test_sft_two_processes_match_one_and_a_crashed_job_fails_in_one_line(tiny_pa
     one, used_one = train_candidate(tiny_path, rows, tmp_path / "one", TrainConfig(learning_rate=3e-3, epochs=2,
                                                                                    batch_size=4), seed=7)
     progress = []
-    two, used_two = train_launched(job, TrainConfig(learning_rate=3e-3, epochs=2, batch_size=2, processes=2),
+    two, used_two = _launched(job, TrainConfig(learning_rate=3e-3, epochs=2, batch_size=2, processes=2),
                                    on_step=lambda s, n: progress.append((s, n)), model_path=tiny_path, rows=rows,
                                    out_dir=tmp_path / "two", seed=7)  # the same job folder: a rerun starts clean
     assert sorted(used_one) == sorted(used_two) and one["trained_tokens"] == two["trained_tokens"]
@@ -191,7 +230,7 @@ def test_sft_distillation_and_validation_rows_two_processes_match_one(tiny_path,
     one, used_one = train_candidate(tiny_path, rows, tmp_path / "one", TrainConfig(learning_rate=3e-3, epochs=2,
                                                                                    batch_size=4),
                                     seed=5, distill=distill)
-    two, used_two = train_launched(tmp_path / "job", TrainConfig(learning_rate=3e-3, epochs=2, batch_size=2,
+    two, used_two = _launched(tmp_path / "job", TrainConfig(learning_rate=3e-3, epochs=2, batch_size=2,
                                                                  processes=2),
                                    model_path=tiny_path, rows=rows, out_dir=tmp_path / "two", seed=5, distill=distill)
     assert sorted(used_one) == sorted(used_two) and one["distill_examples"] == two["distill_examples"] == 4
@@ -223,7 +262,7 @@ def test_grpo_rows_with_riding_rows_two_processes_match_one(tiny_path, tmp_path)
     one, used_one = train_candidate(tiny_path, rows, tmp_path / "one",
                                     TrainConfig(learning_rate=1e-3, epochs=1, batch_size=2), seed=3, policy=policy,
                                     distill=distill)
-    two, used_two = train_launched(tmp_path / "job", TrainConfig(learning_rate=1e-3, epochs=1, batch_size=1,
+    two, used_two = _launched(tmp_path / "job", TrainConfig(learning_rate=1e-3, epochs=1, batch_size=1,
                                                                  processes=2),
                                    model_path=tiny_path, rows=rows, out_dir=tmp_path / "two", seed=3, policy=policy,
                                    distill=distill)
