@@ -156,7 +156,6 @@ def test_a_failed_job_names_the_rank_that_failed_first(tmp_path):
     (tmp_path / "error-rank0").write_text("rank 0: OSError: disk full\nTraceback ...\n")
     later = tmp_path / "error-rank1"
     later.write_text("rank 1: RuntimeError: Connection closed by peer\n")
-
     os.utime(later, (later.stat().st_mtime + 5,) * 2)
     assert _last_error(tmp_path) == "rank 0: OSError: disk full"
     for f in tmp_path.glob("error-rank*"):
