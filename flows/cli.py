@@ -140,10 +140,11 @@ def _open_run(cfg, read_only: bool = True):
 
 
 def _print_report(cfg, read_only: bool = True) -> None:
+    from rsiflow.methods import method_classes
     from rsiflow.tasks.report import write_report
 
     with _open_run(cfg, read_only) as store:
-        md_path, png, md = write_report(store, cfg.run.name, cfg.run_dir / "report")
+        md_path, png, md = write_report(store, cfg.run.name, cfg.run_dir / "report", methods=method_classes(cfg))
     print(md)
     print(f"report: {md_path}\nplot:   {png}", flush=True)
 

@@ -6,8 +6,10 @@ turns the round's stored experience into training rows of a kind the trainer kno
 "sft" or "distill"), writes its own tables, reports its per-round figures and its report section.
 Its algorithm lives in methods/ as plain Python; the module here is the glue to the store and the backend.
 
-Add one: write `methods/<name>.py` (`rsiflow.methods.<name>`) with a `Method` subclass and name it
-here, or name it in the config as "package.module:Class" (no edit here at all).
+Add one: a folder `methods/<name>/` (its algorithm as plain Python, its `Method` subclass with its options, its
+tables' migrations and its queries) and one line in configs/registry.py's METHODS; or, outside the repository,
+name your `Method` subclass in the config as "package.module:Class" (no edit here at all): it gets the same
+powers, its options as `distill.<its name>` and its own tables. docs/methods.md says how.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from rsiflow.methods.base import (
 )
 
 __all__ = ["METHODS", "POLICY_LOSS", "REWARD_BONUS", "TURN_WEIGHTS", "AssessContext", "Contribution", "DistillContext",
-           "Key", "Method", "enabled_methods", "method_class", "needs_temp_logprobs"]
+           "Key", "Method", "enabled_methods", "method_class", "method_classes", "needs_temp_logprobs"]
 
 def method_class(name: str) -> type[Method]:
     """The Method class of a registered name or of "package.module:Class"; ValueError otherwise."""
@@ -40,6 +42,13 @@ def method_class(name: str) -> type[Method]:
     if not (isinstance(cls, type) and issubclass(cls, Method)):
         raise ValueError(f"method {name!r}: {target} is not a subclass of rsiflow.methods.Method")
     return cls
+
+
+def method_classes(cfg=None) -> dict[str, type[Method]]:
+    """Method classes by their `name` (the key of their figures in the store): every registered one and, given a
+    config, the methods of its own that it names as "package.module:Class"."""
+    entries = [*METHODS, *(cfg.distill.methods if cfg is not None else [])]
+    return {cls.name: cls for cls in map(method_class, entries)}
 
 
 def needs_temp_logprobs(cfg) -> bool:

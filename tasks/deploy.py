@@ -18,6 +18,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NONE
 
 from rsiflow.configs.schema import Config
+from rsiflow.methods import method_classes
 from rsiflow.models.card import update_model_card
 from rsiflow.tasks.common import open_store, redeploy_backend, run_dir, serving_champion, utcnow
 from rsiflow.tasks.report import heldout_line, history_markdown, png_data_uri, round_rows, round_table, write_report
@@ -76,13 +77,14 @@ def redeploy(cfg: Config, round_no: int) -> dict:
     for path in elsewhere:
         get_run_logger().warning("retention: %s is not under this run's models folder; not deleting it", path)
     with open_store(cfg) as store:
-        rows = round_rows(store, run_id)
+        methods = method_classes(cfg)
+        rows = round_rows(store, run_id, methods)
         this = {r["round"]: r for r in rows}.get(round_no, {})
         with store.step(run_id, round_no, "deploy", started) as tx:
             tx.insert("deleted_checkpoints", deleted)
             tx.metrics({"redeploy": record, "deleted_checkpoints": [d["model_id"] for d in deleted]})
             store.finish_round(run_id, round_no, champion, {**this, "redeploy": record})
-        md_path, png, md = write_report(store, run_id, run_dir(cfg) / "report", rows)
+        md_path, png, md = write_report(store, run_id, run_dir(cfg) / "report", rows, methods)
     key = re.sub(r"[^a-z0-9-]", "-", f"rsiflow-{run_id}".lower())
     history = heldout_line(rows)
     create_table_artifact(round_table(rows), key=f"{key}-rounds",

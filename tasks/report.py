@@ -9,16 +9,24 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
-from rsiflow.methods import method_class
+from rsiflow.methods import Method, method_classes
 from rsiflow.stats.groups import group_counts, group_stats
 from rsiflow.stores.store import Store
 from rsiflow.tasks.common import STEPS
 
 
-def round_rows(store: Store, run_id: str) -> list[dict]:
+def _method(methods: dict[str, type[Method]] | None, name: str) -> type[Method]:
+    """The class of the method whose figures are stored under `name` (`methods`: methods.method_classes(cfg), so
+    that a method of the user's own is found; default: the registered ones); the base Method (its figures as
+    stored, no report section) for a name that is neither, e.g. a plugin the config no longer names."""
+    return (method_classes() if methods is None else methods).get(name, Method)
+
+
+def round_rows(store: Store, run_id: str, methods: dict[str, type[Method]] | None = None) -> list[dict]:
     """One dict per round that has a gate decision: what a person wants to see per round. Each method
     that ran in the round adds its figures under its name (`Method.round_metrics`, and its `assess`ment of the
-    candidate from the gate step)."""
+    candidate from the gate step). `methods`: the classes by name (methods.method_classes(cfg))."""
+    methods = method_classes() if methods is None else methods
     out = []
     for d in store.promotion_history(run_id):
         r = d["round"]
@@ -27,7 +35,7 @@ def round_rows(store: Store, run_id: str) -> list[dict]:
         tm = store.train_metrics(d["candidate_id"])
         per_method = {}
         for name, figures in (store.step_metrics(run_id, r, "distill") or {}).items():
-            per_method[name] = method_class(name).round_metrics(figures, tm)
+            per_method[name] = _method(methods, name).round_metrics(figures, tm)
         gate_metrics = dict(store.step_metrics(run_id, r, "gate") or {})
         diagnostics = gate_metrics.pop("diagnostics", None)
         for name, figures in gate_metrics.items():   # Method.assess
@@ -96,7 +104,7 @@ def _pct(x) -> str:
     return f"{x:.3f}" if isinstance(x, (int, float)) else "-"
 
 
-def markdown_table(run_id: str, rows: list[dict]) -> str:
+def markdown_table(run_id: str, rows: list[dict], methods: dict[str, type[Method]] | None = None) -> str:
     sampled = any(r.get("champion_sampled") for r in rows)
     lines = [f"# rsiflow run `{run_id}`", "",
              "| round | train success | groups fail/pass/mixed | projected actions | examples | train loss | "
@@ -118,7 +126,7 @@ def markdown_table(run_id: str, rows: list[dict]) -> str:
                      f"`{r['champion_after']}` | {gain} | {secs:.0f} |")
     lines += diagnostics_section(rows) + type_section(rows)
     for name in dict.fromkeys(m for r in rows for m in r.get("methods", [])):
-        section = method_class(name).report_section(rows)
+        section = _method(methods, name).report_section(rows)
         if section:
             lines += ["", *section]
     lines += ["", "projected actions: share of generated actions that were not admissible and were replaced by the "
@@ -274,11 +282,12 @@ def plot_png(run_id: str, rows: list[dict], path: Path) -> Path:
     return path
 
 
-def write_report(store: Store, run_id: str, folder: Path, rows: list[dict] | None = None) -> tuple[Path, Path, str]:
+def write_report(store: Store, run_id: str, folder: Path, rows: list[dict] | None = None,
+                 methods: dict[str, type[Method]] | None = None) -> tuple[Path, Path, str]:
     """Write report.md and heldout.png into `folder` (from `rows`, default: `round_rows` read now); return
-    their paths and the markdown."""
-    rows = round_rows(store, run_id) if rows is None else rows
-    md = markdown_table(run_id, rows)
+    their paths and the markdown. `methods`: as round_rows."""
+    rows = round_rows(store, run_id, methods) if rows is None else rows
+    md = markdown_table(run_id, rows, methods)
     folder.mkdir(parents=True, exist_ok=True)
     md_path = folder / "report.md"
     md_path.write_text(md)
