@@ -27,6 +27,7 @@ SQL = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE)\b.*\b(FROM|INTO|SET|WHERE)\b"
 # directly or through the project modules they import.
 FORBIDDEN = {
     "methods": {"prefect", "duckdb"},
+    "stats": {"prefect", "duckdb", "torch", "tasks", "flows", "stores", "models"},
     "stores": {"torch"},
     "envs": {"tasks", "flows"},
     "models": {"tasks", "flows", "stores"},
