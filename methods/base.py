@@ -142,9 +142,9 @@ def term_loss(train_metrics: dict, name: str) -> float | None:
 
 
 def teacher_loss(cfg, loss_weight: float, **extra):
-    """models.trainer.DistillLoss with this method's `loss_weight` and the divergence settings of distill.srd (one
+    """models.sft_trainer.DistillLoss with this method's `loss_weight` and the divergence settings of distill.srd (one
     set for every privileged-teacher term: SRD, X-Tree's context, RSIPO)."""
-    from rsiflow.models.trainer import DistillLoss
+    from rsiflow.models.sft_trainer import DistillLoss
 
     s = cfg.distill.srd
     return DistillLoss(loss_weight=loss_weight, divergence=s.divergence, beta=s.beta, top_k=s.top_k,
@@ -224,11 +224,11 @@ class Method:
         return None
 
     def distill_loss(self):
-        """The models.trainer.DistillLoss for this method's "distill" rows (None: it emits none)."""
+        """The models.sft_trainer.DistillLoss for this method's "distill" rows (None: it emits none)."""
         return None
 
     def policy_loss(self):
-        """The models.trainer.PolicyLoss for this method's "pg" rows (None: it emits none)."""
+        """The models.grpo_trainer.PolicyLoss for this method's "pg" rows (None: it emits none)."""
         return None
 
     @classmethod

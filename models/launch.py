@@ -24,7 +24,7 @@ Data sharding (what a process trains on): SFT/distillation rows go through the T
 accelerate prepares with a seedable sampler: every process draws the same permutation (seed = the round's
 training seed) and cuts it into per-process batches of train.batch_size; process r takes batches r, r+N, r+2N, ...
 (BatchSamplerShard, split_batches=False; the last batches wrap around to the start when the rows don't fill
-N batches: even_batches). GRPO rows are dealt the same way by models.trainer.StoredRolloutGRPOTrainer. So one
+N batches: even_batches). GRPO rows are dealt the same way by models.grpo_trainer.StoredRolloutGRPOTrainer. So one
 optimizer step sees batch_size x grad_accum x N rows; with batch_size B/N it sees the rows one process with
 batch_size B would see, in the same order.
 """

@@ -1,4 +1,4 @@
-"""The training losses, each defined once; every trainer in models/trainer.py uses these.
+"""The training losses, each defined once; both trainers (models/sft_trainer.py, models/grpo_trainer.py) use these.
 
 - `weighted_token_ce`: per-example weighted cross-entropy over labelled tokens (SFT, ExIt).
 - `topk_divergence`: D(teacher ‖ student) over the teacher's top-k tokens plus one bucket for the

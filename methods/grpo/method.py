@@ -4,7 +4,7 @@ Each trajectory of the round (but crashed episodes) gets its advantage from its 
 rewards (methods/grpo/algorithm.py); it is stored as an `examples` row of method "grpo" (meta: advantage,
 group, reward) with lineage to the trajectory. At training time each becomes a "pg" row: the whole
 multi-turn episode as one sequence, the loss on the model's own action tokens with the trajectory's
-advantage, TRL's GRPO loss (models/trainer.py). Uniform groups (all fail / all pass) are
+advantage, TRL's GRPO loss (models/grpo_trainer.py). Uniform groups (all fail / all pass) are
 counted; their rows have advantage 0 and add no policy gradient.
 """
 
@@ -67,8 +67,8 @@ class GRPO(Method):
                 for e in examples]
 
     def policy_loss(self):
+        from rsiflow.models.grpo_trainer import PolicyLoss
         from rsiflow.models.mismatch import Correction
-        from rsiflow.models.trainer import PolicyLoss
 
         c = self.cfg.distill.grpo
         # Greedy rollouts (temperature 0) were scored from the raw logits: the trainer's temperature is then 1.

@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from rsiflow.configs.schema import ConfigError, TrainConfig, load_config
+from rsiflow.models.grpo_trainer import PolicyLoss
 from rsiflow.models.launch import (
     LOG,
     LaunchError,
@@ -29,7 +30,8 @@ from rsiflow.models.launch import (
     train_launched,
     uses_launcher,
 )
-from rsiflow.models.trainer import DistillLoss, PolicyLoss, train_candidate
+from rsiflow.models.sft_trainer import DistillLoss
+from rsiflow.models.trainer import train_candidate
 from tests.conftest import REPO, TINY, tiny_overrides
 
 # Measured here (2 CPU cores shared with a background job): loss curves SFT 1.2e-7, SFT+distillation+validation

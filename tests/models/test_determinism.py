@@ -8,7 +8,8 @@ would pass trivially if, e.g., nothing were trained or the curve were not record
 from safetensors.torch import load_file
 
 from rsiflow.configs.schema import TrainConfig
-from rsiflow.models.trainer import PolicyLoss, train_candidate
+from rsiflow.models.grpo_trainer import PolicyLoss
+from rsiflow.models.trainer import train_candidate
 from tests.models.test_logprob_change import pg_rows
 from tests.models.test_overfit import PAIRS, conversation
 

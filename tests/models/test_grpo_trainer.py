@@ -10,10 +10,12 @@ from rsiflow.configs.schema import TrainConfig
 from rsiflow.envs.household import HouseholdEnv
 from rsiflow.envs.rollout import Episode, run_episodes
 from rsiflow.models.backend import SamplingParams
+from rsiflow.models.collate import encode_pg_rows
+from rsiflow.models.grpo_trainer import PolicyLoss, StoredRolloutGRPOTrainer, grpo_args
 from rsiflow.models.hf_backend import HFBackend
 from rsiflow.models.loading import load_model_and_tokenizer
 from rsiflow.models.mismatch import Correction
-from rsiflow.models.trainer import PolicyLoss, StoredRolloutGRPOTrainer, encode_pg_rows, grpo_args, train_candidate
+from rsiflow.models.trainer import train_candidate
 
 SAMPLING = SamplingParams(max_new_tokens=6, temperature=1.0, top_p=0.95, seed=3)
 

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from rsiflow.configs.schema import TrainConfig
+from rsiflow.models.collate import encode_pg_rows
+from rsiflow.models.grpo_trainer import PolicyLoss
 from rsiflow.models.loading import load_model_and_tokenizer, resolve_base_model
-from rsiflow.models.trainer import PolicyLoss, encode_pg_rows, train_candidate
+from rsiflow.models.trainer import train_candidate
 
 SYSTEM = {"role": "system", "content": "You are in a house. Reply with one action."}
 EPISODES = [  # (task, first action, observation, second action)

@@ -10,7 +10,8 @@ from rsiflow.configs.schema import TrainConfig
 from rsiflow.models.encoding import MisalignedCompletion, encode_pair
 from rsiflow.models.loading import load_model_and_tokenizer
 from rsiflow.models.losses import importance_weights, topk_divergence
-from rsiflow.models.trainer import DistillLoss, train_candidate
+from rsiflow.models.sft_trainer import DistillLoss
+from rsiflow.models.trainer import train_candidate
 
 # teacher p = [0.5, 0.3, 0.15, 0.05], student q uniform; k = 2: the teacher's top-2 are tokens 0 and 1,
 # the tail bucket holds the rest: T = [0.5, 0.3, 0.2], S = [0.25, 0.25, 0.5].

@@ -1,6 +1,7 @@
-"""The TRL internals the trainer (models/trainer.py) relies on, named one by one: a TRL release that renames one,
-changes its parameters or makes the GRPO loss read a batch key rsiflow does not build fails here, with a message
-that says which, instead of deep inside a training round. constraints.txt pins the TRL these were checked on."""
+"""The TRL internals the trainers (models/sft_trainer.py, models/grpo_trainer.py) rely on, named one by one: a TRL
+release that renames one, changes its parameters or makes the GRPO loss read a batch key rsiflow does not build
+fails here, with a message that says which, instead of deep inside a training round. constraints.txt pins the
+TRL these were checked on."""
 
 import inspect
 import re
@@ -28,15 +29,15 @@ METHODS = [
 @pytest.mark.parametrize(("owner", "name", "leading"), METHODS, ids=[f"{o.__name__}.{n}" for o, n, _ in METHODS])
 def test_the_private_methods_the_trainer_overrides_or_calls_keep_their_parameters(owner, name, leading):
     fn = getattr(owner, name, None)
-    assert fn is not None, (f"TRL {trl.__version__}: {owner.__name__}.{name} is gone; models/trainer.py overrides or "
+    assert fn is not None, (f"TRL {trl.__version__}: {owner.__name__}.{name} is gone; the trainers override or "
                             "calls it (pin trl as constraints.txt does, or port the trainer)")
     got = _params(fn)[:len(leading)]
-    assert got == leading, (f"TRL {trl.__version__}: {owner.__name__}.{name} takes {got}, models/trainer.py passes "
+    assert got == leading, (f"TRL {trl.__version__}: {owner.__name__}.{name} takes {got}, the trainers pass "
                             f"{leading}")
 
 
 def _collate_keys() -> set[str]:
-    from rsiflow.models.trainer import collate_pg
+    from rsiflow.models.collate import collate_pg
 
     row = {"prompt_ids": [1, 2], "completion_ids": [3], "action_mask": [1], "old_logps": [-1.0], "weights": [1.0],
            "advantage": 1.0}
@@ -44,14 +45,14 @@ def _collate_keys() -> set[str]:
 
 
 def test_collate_pg_builds_every_key_the_grpo_loss_reads():
-    """GRPOTrainer._compute_loss reads the batch by key; models.trainer.collate_pg builds those keys (the trainer
+    """GRPOTrainer._compute_loss reads the batch by key; models.collate.collate_pg builds those keys (the trainer
     adds num_items_in_batch). importance_sampling_ratio is read only when TRL generates with vLLM itself
     (use_vllm), which rsiflow never does: its rows are stored, its own mismatch correction weights the advantages."""
     read = set(re.findall(r'inputs\["(\w+)"\]', inspect.getsource(GRPOTrainer._compute_loss)))
     missing = read - _collate_keys() - {"importance_sampling_ratio"}
     assert read, f"TRL {trl.__version__}: GRPOTrainer._compute_loss no longer reads its batch by key"
     assert not missing, (f"TRL {trl.__version__}: GRPOTrainer._compute_loss reads {sorted(missing)}, which "
-                         "models.trainer.collate_pg does not build")
+                         "models.collate.collate_pg does not build")
 
 
 def test_the_helpers_the_trainer_imports_from_trl_exist():

@@ -217,9 +217,9 @@ def test_trainer_keeps_the_lowest_validation_loss_checkpoint(tmp_path, tiny_path
     assert len(losses) == 3 and metrics["validation_loss_best"] == min(losses)
     assert metrics["validation_best_epoch"] == losses.index(min(losses)) + 1
     # the saved checkpoint is the best epoch's: its validation loss is the best one
+    from rsiflow.models.callbacks import BestValidationCallback
     from rsiflow.models.encoding import encode_rows
     from rsiflow.models.loading import load_model_and_tokenizer
-    from rsiflow.models.trainer import BestValidationCallback
 
     model, tok = load_model_and_tokenizer(tmp_path / "out")
     enc, _ = encode_rows(tok, [rows[-1]], 512)

@@ -256,9 +256,10 @@ def test_trust_weights_scale_the_distillation_term(tiny_path):
     weights only move the term between rows."""
     import torch
 
+    from rsiflow.models.collate import RowCollator
     from rsiflow.models.encoding import encode_rows
     from rsiflow.models.loading import load_model_and_tokenizer
-    from rsiflow.models.trainer import DistillLoss, RowCollator, RowLoss
+    from rsiflow.models.sft_trainer import DistillLoss, RowLoss
 
     model, tok = load_model_and_tokenizer(tiny_path)
     student = [{"role": "user", "content": "Parity 1: reply."}, {"role": "assistant", "content": "hello there"}]
