@@ -166,7 +166,8 @@ def instrument(env_name: str) -> None:
     import rsiflow.tasks.report as report
     from rsiflow.envs import make_env
     from rsiflow.flows.round import STEP_TASKS, improvement_round
-    from rsiflow.stores.store import StepWriter, Store
+    from rsiflow.stores.steps import StepWriter
+    from rsiflow.stores.store import Store
 
     patch(hb.HFBackend, "generate", "generate")
     patch(hb.HFBackend, "__init__", "model load")
