@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     if out.exists():
         sys.exit(f"bench.chaos: {out} exists; give a new --out")
-    from rsiflow.configs.schema import load_config
+    from rsiflow.configs.loader import load_config
 
     run_id = load_config(config, sets).run.name
     rng = random.Random(args.seed)

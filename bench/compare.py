@@ -173,7 +173,7 @@ def run_overrides(args, arm: Arm, seed: int, out: Path) -> list[str]:
     own = [f"run.name={run_name(arm.name, seed)}", f"run.seed={seed}", f"run.rounds={args.rounds}",
            f"run.store={out / 'compare.duckdb'}", f"run.run_dir={out / 'runs'}/{{name}}"]
     if args.heldout_per_seed:
-        from rsiflow.configs.schema import load_config
+        from rsiflow.configs.loader import load_config
 
         base = load_config(args.config, list(args.set) + arm.overrides)
         own += [f"gate.seed={base.gate.seed + seed}", f"gate.test_seed={base.gate.test_seed + seed}"]
@@ -714,7 +714,8 @@ def main(argv: list[str] | None = None) -> None:
     if not arms:
         sys.exit("bench.compare: give at least one --arm NAME[:overrides]")
     args.config = [str(Path(c).resolve()) for c in (args.config or ["configs/default.yaml"])]
-    from rsiflow.configs.schema import ConfigError, load_config
+    from rsiflow.configs.loader import load_config
+    from rsiflow.configs.schema import ConfigError
 
     try:
         for arm in arms:  # fail before any run on a bad key, naming the arm

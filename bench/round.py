@@ -379,7 +379,7 @@ def run_pooled(files: list[str], sets: list[str], tmp: Path, pools: dict[str, st
     from prefect.settings import PREFECT_API_URL
 
     from bench.chaos import compare, table_rows
-    from rsiflow.configs.schema import load_config
+    from rsiflow.configs.loader import load_config
     from rsiflow.flows.pooled_step import deploy_steps
     from rsiflow.flows.round import improvement_round
     from rsiflow.stores.store import Store
@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> None:
     t_import = time.perf_counter()
     from prefect import flow
 
-    from rsiflow.configs.schema import load_config
+    from rsiflow.configs.loader import load_config
     from rsiflow.flows.round import improvement_round
 
     cfg = load_config(files, overrides)

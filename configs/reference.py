@@ -13,13 +13,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from rsiflow.configs.schema import Config, config_reference
+from pydantic import BaseModel
+
+from rsiflow.configs.schema import Config, DistillConfig
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 HEADER = """# Configuration reference
 
-One pydantic tree (`configs/schema.py`), loaded from YAML files and overrides:
+One pydantic tree (`configs/schema.py`), loaded from YAML files and overrides (`configs/loader.py`):
 `rsiflow run --config base.yaml --config overlay.yaml --set train.learning_rate=1e-5`. Later files and
 overrides win key by key. An unknown key, a wrong type or a missing file is an error that names the key
 path and the file (or `--set` override) that set it.
@@ -27,6 +29,23 @@ path and the file (or `--set` override) that set it.
 This page is generated from the schema's help texts (`python -m rsiflow.configs.reference`); a test fails when it
 is out of date.
 """
+
+
+def config_reference(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key path, default, description) for every field: the README's config reference."""
+    rows = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows.extend(config_reference(ann, path + "."))
+        else:
+            default = field.default_factory() if field.default_factory else field.default
+            rows.append((path, repr(default), field.description or ""))
+    if issubclass(model, DistillConfig):   # each registered method's own section
+        for name, section in DistillConfig().sections().items():
+            rows.extend(config_reference(type(section), f"{prefix}{name}."))
+    return rows
 
 
 def markdown() -> str:

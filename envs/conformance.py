@@ -1125,7 +1125,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """The check of parsed `add_arguments` options, printed line by line; 0 when it passed, else 1."""
     name, kwargs, max_turns = args.env, {}, args.max_turns
     if args.config:
-        from rsiflow.configs.schema import ConfigError, load_config
+        from rsiflow.configs.loader import load_config
+        from rsiflow.configs.schema import ConfigError
 
         try:
             cfg = load_config(args.config)

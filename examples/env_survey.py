@@ -21,7 +21,7 @@ import sys
 import time
 from collections import defaultdict
 
-from rsiflow.configs.schema import load_config
+from rsiflow.configs.loader import load_config
 from rsiflow.envs import make_env
 from rsiflow.envs.base import Env, TaskSpec
 

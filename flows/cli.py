@@ -111,7 +111,7 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args):
-    from rsiflow.configs.schema import load_config
+    from rsiflow.configs.loader import load_config
 
     files = args.config or ["configs/default.yaml"]
     return files, load_config(files, args.overrides)

@@ -40,7 +40,8 @@ from prefect.futures import PrefectConcurrentFuture
 from prefect.states import Completed, Failed
 from prefect.utilities.annotations import quote
 
-from rsiflow.configs.schema import Config, ConfigError, load_config
+from rsiflow.configs.loader import load_config
+from rsiflow.configs.schema import Config, ConfigError
 from rsiflow.flows.errors import StepFailed
 from rsiflow.flows.lease import LeaseLostError, RunBusyError, run_lease
 from rsiflow.flows.pooled import check_pools, run_on_pool

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from rsiflow.configs.schema import load_config
+from rsiflow.configs.loader import load_config
 from rsiflow.flows.lease import run_lease
 from rsiflow.flows.round import label_flow_run, round_flow
 from rsiflow.tasks.common import open_store

@@ -80,7 +80,7 @@ def smollm2_path(model_cache) -> Path:
 def vllm_backend(smollm2_path):
     """The process's one vLLM engine on SmolLM2 (started once per pytest run; engine start is minutes on
     2 cores). Tests may switch its weights; tests/models/test_vllm_backend.py's `vllm` fixture switches back."""
-    from rsiflow.configs.schema import load_config
+    from rsiflow.configs.loader import load_config
     from rsiflow.models.vllm_backend import VLLMBackend, shutdown_engine
 
     vllm_python()  # skips, saying why, where vLLM is not installed

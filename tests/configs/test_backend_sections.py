@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from rsiflow.configs.schema import ConfigError, load_config
+from rsiflow.configs.loader import load_config
+from rsiflow.configs.schema import ConfigError
 from rsiflow.models.vllm_backend import reload_compatible
 
 DEFAULT = "configs/default.yaml"

@@ -4,7 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from rsiflow.configs.schema import Config, ConfigError, config_reference, load_config
+from rsiflow.configs.loader import load_config
+from rsiflow.configs.reference import config_reference
+from rsiflow.configs.schema import Config, ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 

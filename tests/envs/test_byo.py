@@ -4,7 +4,7 @@ the current directory the way the `rsiflow` console script does (no cwd on sys.p
 import subprocess
 import sys
 
-from rsiflow.configs.schema import load_config
+from rsiflow.configs.loader import load_config
 from rsiflow.envs import make_env
 from tests.conftest import REPO
 

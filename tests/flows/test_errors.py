@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from rsiflow.configs.schema import load_config
+from rsiflow.configs.loader import load_config
 from rsiflow.flows.cli import main
 from rsiflow.methods import Method
 from rsiflow.stores import Store

@@ -11,7 +11,7 @@ import duckdb
 import pytest
 
 import rsiflow.flows.lease as lease_mod
-from rsiflow.configs.schema import load_config
+from rsiflow.configs.loader import load_config
 from rsiflow.flows.lease import LeaseLostError, RunBusyError, run_lease
 from rsiflow.stores import Store
 from tests.conftest import TINY, tiny_overrides

@@ -10,7 +10,7 @@ import sys
 import duckdb
 import pytest
 
-from rsiflow.configs.schema import load_config
+from rsiflow.configs.loader import load_config
 from tests.conftest import REPO, TINY, tiny_overrides
 
 RSIFLOW = [sys.executable, "-m", "rsiflow.flows.cli"]

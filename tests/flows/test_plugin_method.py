@@ -15,7 +15,8 @@ import textwrap
 import duckdb
 import pytest
 
-from rsiflow.configs.schema import ConfigError, load_config
+from rsiflow.configs.loader import load_config
+from rsiflow.configs.schema import ConfigError
 from tests.conftest import REPO, TINY, tiny_overrides
 
 TOY = "toyplug.method:Toy"

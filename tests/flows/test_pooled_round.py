@@ -10,7 +10,8 @@ from uuid import UUID
 
 import pytest
 
-from rsiflow.configs.schema import ConfigError, load_config
+from rsiflow.configs.loader import load_config
+from rsiflow.configs.schema import ConfigError
 from tests.conftest import TINY, tiny_overrides
 
 # SRD's template notes give the tiny round training examples (so train, gate and deploy do real work); no KV reuse

@@ -5,7 +5,7 @@ import re
 
 import duckdb
 
-from rsiflow.configs.schema import load_config
+from rsiflow.configs.loader import load_config
 from rsiflow.flows.round import improvement_round
 from rsiflow.tasks.common import STEPS
 from tests.conftest import TINY, tiny_overrides

@@ -3,7 +3,7 @@ only, a cap per task type, and the counts of what each dropped."""
 
 import pytest
 
-from rsiflow.configs.schema import load_config
+from rsiflow.configs.loader import load_config
 from rsiflow.methods.base import TURN_WEIGHTS, DistillContext, Method
 from rsiflow.methods.exit.algorithm import exit_examples, select_examples
 from rsiflow.methods.exit.method import ExIt

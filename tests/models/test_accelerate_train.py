@@ -19,7 +19,8 @@ import pytest
 import torch
 import yaml
 
-from rsiflow.configs.schema import ConfigError, TrainConfig, load_config
+from rsiflow.configs.loader import load_config
+from rsiflow.configs.schema import ConfigError, TrainConfig
 from rsiflow.models.grpo_trainer import PolicyLoss
 from rsiflow.models.launch import (
     LOG,

@@ -28,7 +28,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from rsiflow.configs.schema import DEFAULT_URL, ConfigError, load_config, server_urls
+from rsiflow.configs.loader import load_config
+from rsiflow.configs.schema import DEFAULT_URL, ConfigError, server_urls
 from rsiflow.models import openai_backend
 from rsiflow.models.backend import SamplingParams
 from rsiflow.models.openai_backend import OpenAIBackend

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from bench.lake import LAKE_PYTHON, PostgresCluster, lake_missing
-from rsiflow.configs.schema import ConfigError, load_config
+from rsiflow.configs.loader import load_config
+from rsiflow.configs.schema import ConfigError
 from rsiflow.stores.lake import extension_dir, lake_migration_sql, now_defaults
 from rsiflow.stores.migrations import MIGRATIONS, migration_sql
 from rsiflow.stores.store import Store, StoreError

@@ -3,7 +3,7 @@ the prompt setup (prefix and tools) used for generation and training alike."""
 
 import pytest
 
-from rsiflow.configs.schema import load_config
+from rsiflow.configs.loader import load_config
 from tests.conftest import TINY, tiny_overrides
 
 

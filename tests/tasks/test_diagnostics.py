@@ -4,7 +4,7 @@ tasks plays what the config says."""
 
 import pytest
 
-from rsiflow.configs.schema import load_config
+from rsiflow.configs.loader import load_config
 from rsiflow.models.loading import resolve_base_model
 from rsiflow.stores.store import Store
 from rsiflow.tasks.diagnostics import learning_diagnostics

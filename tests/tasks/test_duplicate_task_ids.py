@@ -9,7 +9,7 @@ import pytest
 
 import rsiflow.tasks.gate as gate
 import rsiflow.tasks.generate as generate
-from rsiflow.configs.schema import load_config
+from rsiflow.configs.loader import load_config
 from rsiflow.envs.arithmetic import ArithmeticEnv
 from rsiflow.envs.base import RepeatedTaskIds, TaskSpec, require_distinct_ids
 from tests.conftest import TINY, tiny_overrides

@@ -7,7 +7,8 @@ import pytest
 
 import rsiflow.tasks.final_test as final_test
 import rsiflow.tasks.gate as gate
-from rsiflow.configs.schema import ConfigError, load_config
+from rsiflow.configs.loader import load_config
+from rsiflow.configs.schema import ConfigError
 from rsiflow.envs import make_env
 from rsiflow.stores.store import Store
 from tests.conftest import TINY, tiny_overrides

@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from rsiflow.configs.schema import ConfigError, load_config
+from rsiflow.configs.loader import load_config
+from rsiflow.configs.schema import ConfigError
 from rsiflow.envs.base import Env, StepResult, TaskSpec, sample_hashed_tasks, step_guard
 from rsiflow.envs.rollout import prompt_setup
 from rsiflow.methods import AssessContext, DistillContext, enabled_methods

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rsiflow.configs.schema import load_config
+from rsiflow.configs.loader import load_config
 from rsiflow.methods import enabled_methods
 from rsiflow.stores.store import Store
 from rsiflow.tasks.train import replay_buffer, select_replay

@@ -1,7 +1,7 @@
 """Retention (train.keep_candidates): rejected checkpoints are deleted after their gate and the deletion is
 recorded; the champion lineage (base and every promoted candidate) and the last N candidates are kept."""
 
-from rsiflow.configs.schema import load_config
+from rsiflow.configs.loader import load_config
 from rsiflow.stores.store import Store
 from rsiflow.tasks.deploy import expire_checkpoints
 from tests.conftest import TINY, tiny_overrides

@@ -12,7 +12,8 @@ from statistics import mean
 
 import pytest
 
-from rsiflow.configs.schema import ConfigError, load_config
+from rsiflow.configs.loader import load_config
+from rsiflow.configs.schema import ConfigError
 from rsiflow.envs.base import Env, StepResult, TaskSpec, sample_hashed_tasks, step_guard
 from rsiflow.envs.rollout import Episode, env_factory, episode_rows, prompt_setup
 from rsiflow.methods import DistillContext, enabled_methods

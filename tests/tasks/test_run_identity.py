@@ -6,7 +6,8 @@ import copy
 
 import pytest
 
-from rsiflow.configs.schema import ConfigError, load_config
+from rsiflow.configs.loader import load_config
+from rsiflow.configs.schema import ConfigError
 from rsiflow.stores import Store
 from rsiflow.tasks.setup import check_same_run, config_differences, ensure_run, identity
 from tests.conftest import TINY, tiny_overrides

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from rsiflow.configs.schema import ConfigError, load_config
+from rsiflow.configs.loader import load_config
+from rsiflow.configs.schema import ConfigError
 from rsiflow.methods import DistillContext, enabled_methods
 from rsiflow.methods.xtree import queries
 from rsiflow.stores import Store
