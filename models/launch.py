@@ -141,7 +141,7 @@ def _last_error(job_dir: Path) -> str:
     last line that is not a rule."""
     errors = sorted(job_dir.glob(ERROR_PREFIX + "*"), key=lambda p: p.stat().st_mtime)
     for path in errors:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, IndexError):   # unreadable or empty: the next source
             return path.read_text(errors="replace").splitlines()[0][:400]
     try:
         lines = [ln.strip() for ln in (job_dir / LOG).read_text(errors="replace").splitlines() if ln.strip()]

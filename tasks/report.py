@@ -15,17 +15,12 @@ from rsiflow.stores.store import Store
 from rsiflow.tasks.common import STEPS
 
 
-def _method(methods: dict[str, type[Method]] | None, name: str) -> type[Method]:
-    """The class of the method whose figures are stored under `name` (`methods`: methods.method_classes(cfg), so
-    that a method of the user's own is found; default: the registered ones); the base Method (its figures as
-    stored, no report section) for a name that is neither, e.g. a plugin the config no longer names."""
-    return (method_classes() if methods is None else methods).get(name, Method)
-
-
 def round_rows(store: Store, run_id: str, methods: dict[str, type[Method]] | None = None) -> list[dict]:
     """One dict per round that has a gate decision: what a person wants to see per round. Each method
     that ran in the round adds its figures under its name (`Method.round_metrics`, and its `assess`ment of the
-    candidate from the gate step). `methods`: the classes by name (methods.method_classes(cfg))."""
+    candidate from the gate step). `methods`: the classes by name (methods.method_classes(cfg), so that a method
+    of the user's own is found; default: the registered ones); a name that is neither, e.g. a plugin the config
+    no longer names, shows its figures as stored (the base Method's) and no report section."""
     methods = method_classes() if methods is None else methods
     out = []
     for d in store.promotion_history(run_id):
@@ -35,7 +30,7 @@ def round_rows(store: Store, run_id: str, methods: dict[str, type[Method]] | Non
         tm = store.train_metrics(d["candidate_id"])
         per_method = {}
         for name, figures in (store.step_metrics(run_id, r, "distill") or {}).items():
-            per_method[name] = _method(methods, name).round_metrics(figures, tm)
+            per_method[name] = methods.get(name, Method).round_metrics(figures, tm)
         gate_metrics = dict(store.step_metrics(run_id, r, "gate") or {})
         diagnostics = gate_metrics.pop("diagnostics", None)
         for name, figures in gate_metrics.items():   # Method.assess
@@ -105,6 +100,8 @@ def _pct(x) -> str:
 
 
 def markdown_table(run_id: str, rows: list[dict], methods: dict[str, type[Method]] | None = None) -> str:
+    """The run report in markdown; `methods` as round_rows."""
+    methods = method_classes() if methods is None else methods
     sampled = any(r.get("champion_sampled") for r in rows)
     lines = [f"# rsiflow run `{run_id}`", "",
              "| round | train success | groups fail/pass/mixed | projected actions | examples | train loss | "
@@ -126,7 +123,7 @@ def markdown_table(run_id: str, rows: list[dict], methods: dict[str, type[Method
                      f"`{r['champion_after']}` | {gain} | {secs:.0f} |")
     lines += diagnostics_section(rows) + type_section(rows)
     for name in dict.fromkeys(m for r in rows for m in r.get("methods", [])):
-        section = _method(methods, name).report_section(rows)
+        section = methods.get(name, Method).report_section(rows)
         if section:
             lines += ["", *section]
     lines += ["", "projected actions: share of generated actions that were not admissible and were replaced by the "
