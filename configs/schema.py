@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
@@ -36,6 +36,11 @@ class RunConfig(Section):
     rounds: int = Field(2, ge=1, le=10_000, description="Rounds `rsiflow run` completes in total (resuming counts "
         "earlier rounds).")
     seed: int = Field(0, description="Seed for task sampling, generation and training.")
+    threads: Literal["auto"] | Annotated[int, Field(ge=1, le=4096)] = Field(
+        "auto", description="CPU compute threads of each rsiflow process (hf generation and training): 'auto' = an "
+        "even share of the machine's cores among the rsiflow processes computing on it at the time, re-counted "
+        "every batch and optimizer step (two runs on one machine don't fight over the cores); a number fixes it "
+        "(1 makes a run's figures independent of what else runs). See docs/performance.md.")
 
     @field_validator("name")
     @classmethod

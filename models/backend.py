@@ -151,6 +151,9 @@ def open_backend(kind: str, model_path: str, *, dtype: str = "float32", trust_re
 
 def backend_for(cfg, model_path: str) -> GenerationBackend:
     """The configured generation backend of `cfg` (`backend.kind`, its own options section) serving `model_path`."""
+    from rsiflow.models import threads
+
+    threads.configure(cfg.run.threads)
     options = cfg.backend.options()
     dtype = options.pop("dtype", None) or cfg.model.dtype  # a backend may sample in another dtype than training
     return open_backend(cfg.backend.kind, model_path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code,

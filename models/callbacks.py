@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from rsiflow.models import threads
 from rsiflow.models.backend import Interrupted, interrupted_since, interrupts
 from rsiflow.models.collate import pad
 from rsiflow.models.losses import weighted_token_ce
@@ -83,6 +84,14 @@ class ProgressCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.on_step(state.global_step, state.max_steps)
+
+
+class ThreadShareCallback(TrainerCallback):
+    """Before each optimizer step: this process's share of the cores (models/threads.py), which changes when
+    another rsiflow process starts or stops computing."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        threads.refresh()
 
 
 class InterruptCallback(TrainerCallback):

@@ -56,6 +56,7 @@ from transformers import (
 from transformers.cache_utils import DynamicLayer
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
+from rsiflow.models import threads
 from rsiflow.models.backend import (
     Generation,
     SamplingParams,
@@ -178,10 +179,11 @@ class HFBackend:
         results: list[Generation | None] = [None] * len(prompts)
         # A seeded call must not disturb the global RNG stream of unseeded calls (CPU state restored after).
         seeded = torch.random.fork_rng(devices=[]) if params.seed is not None else contextlib.nullcontext()
-        with seeded, torch.inference_mode():
+        with seeded, torch.inference_mode(), threads.computing():
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             for start in range(0, len(order), self.max_batch_size):
+                threads.refresh()  # this process's share of the cores (models/threads.py)
                 chunk = order[start:start + self.max_batch_size]
                 if self.kv_reuse:
                     generations = self._generate_chunk_reusing(

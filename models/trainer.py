@@ -19,7 +19,14 @@ from typing import Any
 import torch
 from trl import SFTConfig
 
-from rsiflow.models.callbacks import BestValidationCallback, InterruptCallback, ProgressCallback, log_to
+from rsiflow.models import threads
+from rsiflow.models.callbacks import (
+    BestValidationCallback,
+    InterruptCallback,
+    ProgressCallback,
+    ThreadShareCallback,
+    log_to,
+)
 from rsiflow.models.collate import RowCollator, encode_pg_rows
 from rsiflow.models.encoding import encode_rows
 from rsiflow.models.grpo_trainer import PolicyLoss, StoredRolloutGRPOTrainer, grpo_args
@@ -199,7 +206,7 @@ def train_candidate(
         peft_config = PeftLoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                                      target_modules="all-linear", task_type="CAUSAL_LM")
     model.train()
-    callbacks = [InterruptCallback()] + ([ProgressCallback(on_step)] if on_step else [])
+    callbacks = [InterruptCallback(), ThreadShareCallback()] + ([ProgressCallback(on_step)] if on_step else [])
     best = None
     if pg:
         args = grpo_args(cfg, policy, trainer_dir.name, seed, len(pg), use_cpu, bf16, report)
@@ -246,7 +253,8 @@ def train_candidate(
     if diagnose:
         groups, seqs = trained_sequences(sft, pg)
         before = trained_token_logprobs(trainer.model, seqs, tokenizer.pad_token_id, cfg.batch_size)
-    result = trainer.train()
+    with threads.computing():  # this process's share of the cores, re-counted every step (models/threads.py)
+        result = trainer.train()
     trainer_dir.cleanup()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     trained = trainer.model

@@ -20,7 +20,7 @@ from rsiflow.tasks.common import open_store
 # Keys (and sections) that say how a run is executed, not what it computes: changing them continues the run.
 OPERATIONAL = (
     "run.rounds", "run.store", "run.run_dir", "run.model_cache", "prefect", "train.report_to", "train.keep_candidates",
-    "run.lake_data_path",
+    "run.lake_data_path", "run.threads",
     "backend.hf.max_batch_size", "backend.hf.kv_reuse",
     "backend.vllm.python", "backend.vllm.kv_cache_gib", "backend.vllm.gpu_memory_utilization",
     "backend.vllm.enforce_eager", "backend.vllm.threads", "backend.vllm.start_timeout",

@@ -129,6 +129,7 @@ def train_round(cfg: Config, round_no: int) -> dict:
     started = utcnow()
     from tqdm.auto import tqdm
 
+    from rsiflow.models import threads
     from rsiflow.models.launch import LaunchError, train_launched, uses_launcher
     from rsiflow.models.trainer import train_candidate as train
 
@@ -183,6 +184,7 @@ def train_round(cfg: Config, round_no: int) -> dict:
                 shutil.rmtree(out_dir, ignore_errors=True)  # a crashed job's partial checkpoint is not a candidate
                 raise
         else:
+            threads.configure(cfg.run.threads)
             metrics, used_ids = train(cfg=train_cfg, on_step=on_step, **job)
     finally:
         bar.close()

@@ -1,0 +1,104 @@
+"""Two rounds at once on one machine: the slowdown of each against one round alone, per thread policy.
+
+    python -m bench.share --config configs/default.yaml [--set key=val ...] [--policy auto --policy cores] \\
+        [--out bench/results/share/share.json]
+
+Runs the config's first round as `rsiflow run` subprocesses (fresh run names and stores in a temporary folder,
+so nothing is resumed): first one alone, then, for each `--policy`, two at once (the same config, two run names,
+so the same work). The figure is each process's wall time (model load and Prefect start included) over the
+alone run's, measured in the same invocation. Policies (`run.threads`):
+
+- `auto`: rsiflow's default, each computing process takes an even share of the cores (models/threads.py);
+- `cores`: every process takes every core (`run.threads` = the machine's cores: torch's own default);
+- a number: that many threads per process.
+
+The alone run uses `auto` (alone, that is every core); the base model is converted into the model cache
+before any run is timed. Run it on a quiet machine: another job on the cores
+changes both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(configs: list[str], sets: list[str], name: str, folder: Path, threads: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "rsiflow.flows.cli", "run"]
+    for c in configs:
+        cmd += ["--config", c]
+    for s in [*sets, f"run.name={name}", f"run.store={folder / name}.duckdb", f"run.run_dir={folder / name}",
+              "run.rounds=1", f"run.threads={threads}"]:
+        cmd += ["--set", s]
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false",
+           "PREFECT_HOME": str(folder / f"prefect-{name}")}
+    env.pop("OMP_NUM_THREADS", None)  # the policy decides, not an inherited cap
+    log = open(folder / f"{name}.log", "w")  # noqa: SIM115 (closed with the process below)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc.log = log
+    return proc
+
+
+def timed(configs: list[str], sets: list[str], names: list[str], folder: Path, threads: str) -> list[float]:
+    """Start one `rsiflow run` per name at once; each one's wall seconds (an error names its log)."""
+    t0 = time.perf_counter()
+    procs = [_run(configs, sets, n, folder, threads) for n in names]
+    walls = []
+    for name, p in zip(names, procs):
+        rc = p.wait()
+        walls.append(time.perf_counter() - t0)
+        p.log.close()
+        if rc != 0:
+            tail = (folder / f"{name}.log").read_text(errors="replace").splitlines()[-10:]
+            sys.exit(f"bench.share: run {name} failed (exit {rc}); last lines of {folder / name}.log:\n"
+                     + "\n".join(tail))
+    return walls
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.share", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", action="append", required=True, help="run config (repeat for overlays)")
+    p.add_argument("--set", action="append", default=[], help="config override key.path=value (every run)")
+    p.add_argument("--policy", action="append", default=None,
+                   help="run.threads of the two runs at once: auto, cores or a number (repeat; default auto, cores)")
+    p.add_argument("--out", type=Path, help="write the figures to this JSON file")
+    args = p.parse_args(argv)
+    from rsiflow.configs.loader import load_config
+    from rsiflow.models.loading import resolve_base_model
+    from rsiflow.models.threads import machine_cores
+
+    cfg = load_config(args.config, args.set)
+    if not Path(cfg.model.base).is_dir():  # convert (and cache) the base model before any run is timed
+        resolve_base_model(cfg.model.base, Path(cfg.run.model_cache).expanduser())
+    cores = machine_cores()
+    policies = args.policy or ["auto", "cores"]
+    result: dict = {"configs": args.config, "overrides": args.set, "cores": cores, "pairs": {}}
+    with tempfile.TemporaryDirectory(prefix="rsiflow-share-") as tmp:
+        folder = Path(tmp)
+        alone = timed(args.config, args.set, ["alone"], folder, "auto")[0]
+        result["alone_s"] = round(alone, 1)
+        print(f"{cores} cores; one round alone: {alone:.1f} s", flush=True)
+        for policy in policies:
+            threads = str(cores) if policy == "cores" else policy
+            walls = timed(args.config, args.set, [f"{policy}-a", f"{policy}-b"], folder, threads)
+            ratios = [w / alone for w in walls]
+            result["pairs"][policy] = {"threads": threads, "wall_s": [round(w, 1) for w in walls],
+                                       "slowdown": [round(r, 2) for r in ratios]}
+            print(f"two at once, run.threads={threads} ({policy}): {walls[0]:.1f} s and {walls[1]:.1f} s = "
+                  f"{ratios[0]:.2f}x and {ratios[1]:.2f}x of alone", flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""CPU threads of rsiflow's processes: the machine's cores shared among the rsiflow processes computing on it.
+
+torch starts as many compute threads as the machine has cores, in every process. Two processes that compute at
+once then run twice as many threads as there are cores, and the threads of one process wait on each other at
+every operation while the other process holds a core: on 2 cores, two household rollouts at once each ran 2.65x
+slower than one alone (a fair share of the cores would be 2x), and 1.2x with one thread each.
+
+`run.threads: auto` (the default) gives each computing process `cores // n` threads, where n is the number of
+rsiflow processes of this user on this machine that are inside a compute region (a `generate` call of the hf
+backend, a training run) at the time, itself included. A process enters a region with `computing()`; it
+announces itself by a file `<pid>` in a per-user folder of the temporary directory (removed when it leaves the
+region; a file of a dead process is ignored and removed; an OMP_NUM_THREADS in the environment caps the share),
+and `refresh()` (called per batch of a generate call
+and per optimizer step) re-counts and changes torch's thread count when the share changed, so a process that
+started alone drops to its share as soon as another one starts computing, and takes the cores back when it ends.
+A number (`run.threads: 2`) fixes the count instead. The vLLM engine has its own setting
+(`backend.vllm.threads`); processes of `accelerate launch` each take `cores // train.processes`.
+
+Thread counts change floating-point summation order only in some kernels; a run's figures may therefore differ in
+the last bits between a run alone and one sharing the machine (`run.threads: 1` makes a run independent of
+what else runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import tempfile
+import threading
+from pathlib import Path
+
+FOLDER = Path(tempfile.gettempdir()) / f"rsiflow-cores-{os.getuid() if hasattr(os, 'getuid') else 0}"
+
+_lock = threading.Lock()
+_setting: int | str = "auto"
+_depth = 0
+_applied: int | None = None
+
+
+def machine_cores() -> int:
+    """Cores this process may use: its CPU affinity, capped by a cgroup v2 CPU quota (a container's --cpus)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    with contextlib.suppress(OSError, ValueError):
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    return max(1, cores)
+
+
+def configure(setting: int | str) -> None:
+    """The process's policy: "auto" (share the cores) or a fixed thread count; applied at the next refresh."""
+    global _setting, _applied
+    if setting != "auto" and (not isinstance(setting, int) or setting < 1):
+        raise ValueError(f"threads must be 'auto' or a positive integer, not {setting!r}")
+    with _lock:
+        _setting, _applied = setting, None
+
+
+def _start_time(pid: int) -> str:
+    """The process's start time (clock ticks since boot) from /proc: tells a live process from a reused pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[-1].split()[19]
+
+
+def _alive(pid: int, started: str) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return not started or not Path("/proc").is_dir() or _start_time(pid) == started
+
+
+def computing_processes(folder: Path | None = None) -> int:
+    """How many processes are in a compute region now (files of dead processes are removed on the way)."""
+    folder = folder or FOLDER
+    n = 0
+    with contextlib.suppress(FileNotFoundError):
+        for entry in folder.iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                started = entry.read_text().strip()
+            except OSError:
+                continue
+            if _alive(int(entry.name), started):
+                n += 1
+            else:
+                entry.unlink(missing_ok=True)
+    return n
+
+
+def share(cores: int, computing: int) -> int:
+    """Threads for one of `computing` processes on `cores` cores: an even share, at least one."""
+    return max(1, cores // max(1, computing))
+
+
+def threads_now() -> int:
+    """The thread count the policy gives this process now (under "auto", never more than an OMP_NUM_THREADS set
+    in the environment: a user's or `accelerate launch`'s cap)."""
+    if _setting != "auto":
+        return int(_setting)
+    n = share(machine_cores(), computing_processes() if _depth else 1)
+    cap = os.environ.get("OMP_NUM_THREADS", "")
+    return min(n, int(cap)) if cap.isdigit() and int(cap) > 0 else n
+
+
+def refresh() -> int:
+    """Set torch's thread count to the policy's figure if it changed; returns it."""
+    global _applied
+    n = threads_now()
+    if n != _applied:
+        import torch
+
+        with _lock:
+            torch.set_num_threads(n)
+            _applied = n
+    return n
+
+
+@contextlib.contextmanager
+def computing():
+    """A compute region of this process (re-entrant): counted by every other rsiflow process's share while in it."""
+    global _depth
+    path = FOLDER / str(os.getpid())
+    with _lock:
+        _depth += 1
+        if _depth == 1 and _setting == "auto":
+            FOLDER.mkdir(parents=True, exist_ok=True)
+            path.write_text(_start_time(os.getpid()) + "\n")
+    try:
+        refresh()
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                path.unlink(missing_ok=True)

@@ -1,0 +1,27 @@
+"""bench.share on the tiny model: one round alone, then two at once under each policy, every run completing, with
+a slowdown per process against the alone run; a failing run names its log."""
+
+import json
+
+import pytest
+
+from bench.share import main
+from tests.conftest import TINY
+
+
+@pytest.mark.slow
+def test_two_rounds_at_once_are_timed_against_one_alone(tmp_path, capsys, model_cache):
+    out = tmp_path / "share.json"
+    assert main(["--config", TINY, "--set", f"run.model_cache={model_cache}", "--policy", "auto", "--policy", "1",
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["alone_s"] > 0 and set(result["pairs"]) == {"auto", "1"}
+    for pair in result["pairs"].values():
+        assert len(pair["wall_s"]) == 2 and all(s > 0 for s in pair["slowdown"])
+    assert "two at once, run.threads=1" in capsys.readouterr().out
+
+
+def test_a_failing_run_names_its_log(tmp_path, model_cache):
+    with pytest.raises(SystemExit, match=r"run alone failed .*alone\.log"):
+        main(["--config", TINY, "--set", f"run.model_cache={model_cache}", "--set", "env.name=nosuchpackage.mod:Env",
+              "--policy", "auto"])

@@ -1,0 +1,96 @@
+"""The thread policy (models/threads.py): each computing rsiflow process takes an even share of the cores, re-counted
+as other processes start and stop computing; a fixed setting is kept; a dead process's mark is not counted."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from rsiflow.models import threads
+
+
+@pytest.fixture
+def policy(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "FOLDER", tmp_path / "cores")
+    monkeypatch.setattr(threads, "machine_cores", lambda: 4)
+    before = torch.get_num_threads()
+    threads.configure("auto")
+    yield tmp_path / "cores"
+    threads.configure("auto")
+    torch.set_num_threads(before)
+
+
+def _other_process(folder, *, exit_at_once=False):
+    """A process that enters a compute region (its mark in `folder`) and waits on stdin (or exits at once)."""
+    code = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from rsiflow.models import threads
+        threads.FOLDER = Path({str(folder)!r})
+        threads.machine_cores = lambda: 4
+        with threads.computing():
+            print("in", flush=True)
+            {"import os; os._exit(0)" if exit_at_once else "sys.stdin.readline()"}
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "in"
+    return proc
+
+
+def test_an_even_share_of_the_cores_at_least_one():
+    assert [threads.share(4, n) for n in (0, 1, 2, 3, 4, 9)] == [4, 4, 2, 1, 1, 1]
+
+
+def test_a_process_alone_takes_every_core_and_shares_them_while_another_computes(policy):
+    with threads.computing():
+        assert torch.get_num_threads() == 4 and threads.computing_processes(policy) == 1
+        other = _other_process(policy)
+        try:
+            assert threads.computing_processes(policy) == 2
+            assert threads.refresh() == 2 and torch.get_num_threads() == 2
+        finally:
+            other.communicate("\n", timeout=60)
+        assert threads.refresh() == 4 and torch.get_num_threads() == 4  # the other one left its region
+    assert not any(policy.iterdir())  # this process's mark is gone with its region
+
+
+def test_a_dead_process_mark_is_not_counted_and_is_removed(policy):
+    other = _other_process(policy, exit_at_once=True)
+    other.wait(timeout=60)
+    assert [p.name for p in policy.iterdir()] == [str(other.pid)]  # it died inside its region
+    with threads.computing():
+        assert threads.computing_processes(policy) == 1 and threads.refresh() == 4
+    assert not any(policy.iterdir())
+
+
+def test_omp_num_threads_caps_the_share(policy, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with threads.computing():
+        assert threads.refresh() == 1
+
+
+def test_regions_nest_and_a_fixed_count_leaves_no_mark(policy):
+    with threads.computing():
+        with threads.computing():
+            assert threads.computing_processes(policy) == 1
+        assert threads.computing_processes(policy) == 1  # still inside the outer region
+    threads.configure(3)
+    with threads.computing():
+        assert threads.refresh() == 3 and torch.get_num_threads() == 3
+        assert threads.computing_processes(policy) == 0
+    with pytest.raises(ValueError, match="'auto' or a positive integer"):
+        threads.configure(0)
+
+
+def test_the_config_key_takes_auto_or_a_count_and_names_a_bad_value(tmp_path):
+    from rsiflow.configs.loader import load_config
+    from rsiflow.configs.schema import ConfigError
+    from tests.conftest import TINY
+
+    assert load_config([TINY]).run.threads == "auto"
+    assert load_config([TINY], ["run.threads=2"]).run.threads == 2
+    with pytest.raises(ConfigError, match="run.threads"):
+        load_config([TINY], ["run.threads=many"])
