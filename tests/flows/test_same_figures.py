@@ -28,7 +28,7 @@ def _run(folder, model_cache, *extra):
 
 @pytest.mark.parametrize("method", ["exit", "grpo"])
 def test_the_same_config_run_twice_leaves_the_same_rows_and_checkpoints(tmp_path, model_cache, method):
-    extra = [f"distill.methods=[{method}]", "gate.rule=paired_test", "env.name=tests.flows.test_grpo_round:CoinEnv",
+    extra = [f"distill.methods=[{method}]", "env.name=tests.flows.test_grpo_round:CoinEnv",
              "env.kwargs={}", "env.max_turns=1", "env.show_admissible=false", "env.project_actions=false"]
     _run(tmp_path / "a", model_cache, *extra)
     _run(tmp_path / "b", model_cache, *extra)
