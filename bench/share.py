@@ -10,11 +10,15 @@ alone run's, measured in the same invocation. Policies (`run.threads`):
 
 - `auto`: rsiflow's default, each computing process takes an even share of the cores (models/threads.py);
 - `cores`: every process takes every core (`run.threads` = the machine's cores: torch's own default);
-- a number: that many threads per process.
+- a number: that many threads per process;
+- any of them with `+passive` (`cores+passive`): the processes also get OMP_WAIT_POLICY=PASSIVE, so an OpenMP
+  thread with no work sleeps at once instead of spinning on a core another process needs.
 
 The alone run uses `auto` (alone, that is every core); the base model is converted into the model cache
-before any run is timed. Run it on a quiet machine: another job on the cores
-changes both sides.
+before any run is timed. A second run alone on half the cores gives the floor of an even split (skip it with
+`--no-floor`): two rounds at once can't each beat it, so a pair at the floor shares the cores perfectly, and
+the pair's slowdown against the run alone on every core is then how well one round used the second core.
+Run it on a quiet machine: another job on the cores changes both sides.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _run(configs: list[str], sets: list[str], name: str, folder: Path, threads: str) -> subprocess.Popen:
+def _run(configs: list[str], sets: list[str], name: str, folder: Path, threads: str,
+         passive: bool = False) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "rsiflow.flows.cli", "run"]
     for c in configs:
         cmd += ["--config", c]
@@ -41,25 +46,34 @@ def _run(configs: list[str], sets: list[str], name: str, folder: Path, threads: 
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false",
            "PREFECT_HOME": str(folder / f"prefect-{name}")}
     env.pop("OMP_NUM_THREADS", None)  # the policy decides, not an inherited cap
+    env.pop("OMP_WAIT_POLICY", None)
+    if passive:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
     log = open(folder / f"{name}.log", "w")  # noqa: SIM115 (closed with the process below)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     proc.log = log
     return proc
 
 
-def timed(configs: list[str], sets: list[str], names: list[str], folder: Path, threads: str) -> list[float]:
+def timed(configs: list[str], sets: list[str], names: list[str], folder: Path, threads: str,
+          passive: bool = False) -> list[float]:
     """Start one `rsiflow run` per name at once; each one's wall seconds (an error names its log)."""
     t0 = time.perf_counter()
-    procs = [_run(configs, sets, n, folder, threads) for n in names]
-    walls = []
-    for name, p in zip(names, procs):
-        rc = p.wait()
-        walls.append(time.perf_counter() - t0)
-        p.log.close()
-        if rc != 0:
-            tail = (folder / f"{name}.log").read_text(errors="replace").splitlines()[-10:]
-            sys.exit(f"bench.share: run {name} failed (exit {rc}); last lines of {folder / name}.log:\n"
-                     + "\n".join(tail))
+    procs = [_run(configs, sets, n, folder, threads, passive) for n in names]
+    walls: list[float | None] = [None] * len(procs)
+    while None in walls:  # each process's own end, whichever ends first
+        for i, p in enumerate(procs):
+            if walls[i] is None and p.poll() is not None:
+                walls[i] = time.perf_counter() - t0
+                p.log.close()
+                if p.returncode != 0:
+                    for other in procs:
+                        if other.poll() is None:
+                            other.kill()
+                    tail = (folder / f"{names[i]}.log").read_text(errors="replace").splitlines()[-10:]
+                    sys.exit(f"bench.share: run {names[i]} failed (exit {p.returncode}); last lines of "
+                             f"{folder / names[i]}.log:\n" + "\n".join(tail))
+        time.sleep(0.2)
     return walls
 
 
@@ -69,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], help="config override key.path=value (every run)")
     p.add_argument("--policy", action="append", default=None,
                    help="run.threads of the two runs at once: auto, cores or a number (repeat; default auto, cores)")
+    p.add_argument("--no-floor", action="store_true", help="skip the run alone on half the cores (the floor)")
     p.add_argument("--out", type=Path, help="write the figures to this JSON file")
     args = p.parse_args(argv)
     from rsiflow.configs.loader import load_config
@@ -86,14 +101,28 @@ def main(argv: list[str] | None = None) -> int:
         alone = timed(args.config, args.set, ["alone"], folder, "auto")[0]
         result["alone_s"] = round(alone, 1)
         print(f"{cores} cores; one round alone: {alone:.1f} s", flush=True)
+        if cores > 1 and not args.no_floor:
+            # The floor of an even split: one round alone on its share of the cores. Two rounds at once can't
+            # each beat it, whatever the policy; the gap to it is what sharing costs beyond the split itself.
+            share_of = max(1, cores // 2)
+            floor = timed(args.config, args.set, ["floor"], folder, str(share_of))[0]
+            result["alone_share_s"] = {"threads": share_of, "wall_s": round(floor, 1),
+                                       "of_alone": round(floor / alone, 2)}
+            print(f"one round alone on {share_of} thread(s) (an even split's floor): {floor:.1f} s = "
+                  f"{floor / alone:.2f}x of alone", flush=True)
         for policy in policies:
-            threads = str(cores) if policy == "cores" else policy
-            walls = timed(args.config, args.set, [f"{policy}-a", f"{policy}-b"], folder, threads)
+            base, passive = policy.removesuffix("+passive"), policy.endswith("+passive")
+            threads = str(cores) if base == "cores" else base
+            walls = timed(args.config, args.set, [f"{base}-a", f"{base}-b"], folder, threads, passive)
             ratios = [w / alone for w in walls]
-            result["pairs"][policy] = {"threads": threads, "wall_s": [round(w, 1) for w in walls],
+            result["pairs"][policy] = {"threads": threads, "omp_wait_policy": "PASSIVE" if passive else None,
+                                       "wall_s": [round(w, 1) for w in walls],
                                        "slowdown": [round(r, 2) for r in ratios]}
-            print(f"two at once, run.threads={threads} ({policy}): {walls[0]:.1f} s and {walls[1]:.1f} s = "
-                  f"{ratios[0]:.2f}x and {ratios[1]:.2f}x of alone", flush=True)
+            floor = result.get("alone_share_s", {}).get("wall_s")
+            wait = " OMP_WAIT_POLICY=PASSIVE" if passive else ""
+            print(f"two at once, run.threads={threads}{wait} ({policy}): {walls[0]:.1f} s and {walls[1]:.1f} s = "
+                  f"{ratios[0]:.2f}x and {ratios[1]:.2f}x of alone"
+                  + (f", {max(walls) / floor:.2f}x of the floor (the slower one)" if floor else ""), flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")

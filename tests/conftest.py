@@ -1,11 +1,14 @@
 """Test-session setup: Prefect gets its own home (ephemeral API, no server), no telemetry; tests that
 use the Prefect API fixture are marked slow."""
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 _prefect_home = tempfile.mkdtemp(prefix="rsiflow-test-prefect-")
+atexit.register(shutil.rmtree, _prefect_home, ignore_errors=True)  # the temp folder holds no leftovers
 os.environ["PREFECT_HOME"] = _prefect_home
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
