@@ -77,12 +77,20 @@ def timed(configs: list[str], sets: list[str], names: list[str], folder: Path, t
     return walls
 
 
+def _policy(policy: str, cores: int) -> tuple[str, bool]:
+    """`run.threads` and whether OMP_WAIT_POLICY=PASSIVE, for a policy name ('auto', 'cores', '2', '...+passive')."""
+    base = policy.removesuffix("+passive")
+    return (str(cores) if base == "cores" else base), policy.endswith("+passive")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.share", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", action="append", required=True, help="run config (repeat for overlays)")
     p.add_argument("--set", action="append", default=[], help="config override key.path=value (every run)")
     p.add_argument("--policy", action="append", default=None,
                    help="run.threads of the two runs at once: auto, cores or a number (repeat; default auto, cores)")
+    p.add_argument("--alone", action="append", default=[],
+                   help="also time one round alone under this policy (repeat), against the baseline alone run")
     p.add_argument("--no-floor", action="store_true", help="skip the run alone on half the cores (the floor)")
     p.add_argument("--out", type=Path, help="write the figures to this JSON file")
     args = p.parse_args(argv)
@@ -101,6 +109,12 @@ def main(argv: list[str] | None = None) -> int:
         alone = timed(args.config, args.set, ["alone"], folder, "auto")[0]
         result["alone_s"] = round(alone, 1)
         print(f"{cores} cores; one round alone: {alone:.1f} s", flush=True)
+        for policy in args.alone:  # other policies alone, against the baseline
+            base, passive = _policy(policy, cores)
+            wall = timed(args.config, args.set, [f"alone-{policy.replace('+', '-')}"], folder, base, passive)[0]
+            result.setdefault("alone_other", {})[policy] = {"wall_s": round(wall, 1),
+                                                            "of_alone": round(wall / alone, 2)}
+            print(f"one round alone, {policy}: {wall:.1f} s = {wall / alone:.2f}x of alone", flush=True)
         if cores > 1 and not args.no_floor:
             # The floor of an even split: one round alone on its share of the cores. Two rounds at once can't
             # each beat it, whatever the policy; the gap to it is what sharing costs beyond the split itself.
@@ -111,9 +125,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"one round alone on {share_of} thread(s) (an even split's floor): {floor:.1f} s = "
                   f"{floor / alone:.2f}x of alone", flush=True)
         for policy in policies:
-            base, passive = policy.removesuffix("+passive"), policy.endswith("+passive")
-            threads = str(cores) if base == "cores" else base
-            walls = timed(args.config, args.set, [f"{base}-a", f"{base}-b"], folder, threads, passive)
+            threads, passive = _policy(policy, cores)
+            tag = policy.replace("+", "-")
+            walls = timed(args.config, args.set, [f"{tag}-a", f"{tag}-b"], folder, threads, passive)
             ratios = [w / alone for w in walls]
             result["pairs"][policy] = {"threads": threads, "omp_wait_policy": "PASSIVE" if passive else None,
                                        "wall_s": [round(w, 1) for w in walls],

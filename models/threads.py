@@ -2,15 +2,18 @@
 
 torch starts as many compute threads as the machine has cores, in every process. Two processes that compute at
 once then run twice as many threads as there are cores, and the threads of one process wait on each other at
-every operation while the other process holds a core: on 2 cores, two household rollouts at once each ran 2.65x
-slower than one alone (a fair share of the cores would be 2x), and 1.2x with one thread each.
+every operation while the other process holds a core: on 2 cores, two household rounds at once had not finished
+after 4.8x the time of one alone when they were stopped; with this policy each took 1.64x (one thread alone,
+the floor of an even split, takes 1.45x). Figures and the bench: docs/performance.md.
 
 `run.threads: auto` (the default) gives each computing process `cores // n` threads, where n is the number of
 rsiflow processes of this user on this machine that are inside a compute region (a `generate` call of the hf
-backend, a training run) at the time, itself included. A process enters a region with `computing()`; it
-announces itself by a file `<pid>` in a per-user folder of the temporary directory (removed when it leaves the
-region; a file of a dead process is ignored and removed; an OMP_NUM_THREADS in the environment caps the share),
-and `refresh()` (called per batch of a generate call
+backend, a training run), or left one less than `GRACE_S` seconds ago, at the time, itself included. The grace
+covers the gaps between a process's compute calls (env steps between two turns, the store between two steps):
+without it the other process would take every core in each gap and oversubscribe them when the first comes back.
+A process enters a region with `computing()`; it announces itself by a file `<pid>` in a per-user folder of the
+temporary directory (holding when it left its last region; removed at exit; a file of a dead process is ignored
+and removed; an OMP_NUM_THREADS in the environment caps the share), and `refresh()` (called per batch of a generate call
 and per optimizer step) re-counts and changes torch's thread count when the share changed, so a process that
 started alone drops to its share as soon as another one starts computing, and takes the cores back when it ends.
 A number (`run.threads: 2`) fixes the count instead. The vLLM engine has its own setting
@@ -23,14 +26,17 @@ what else runs).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
 import os
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 FOLDER = Path(tempfile.gettempdir()) / f"rsiflow-cores-{os.getuid() if hasattr(os, 'getuid') else 0}"
+GRACE_S = 30.0  # a process that left its compute region less than this ago still counts as computing
 
 _lock = threading.Lock()
 _setting: int | str = "auto"
@@ -76,23 +82,41 @@ def _alive(pid: int, started: str) -> bool:
     return not started or not Path("/proc").is_dir() or _start_time(pid) == started
 
 
-def computing_processes(folder: Path | None = None) -> int:
-    """How many processes are in a compute region now (files of dead processes are removed on the way)."""
+def computing_processes(folder: Path | None = None, now: float | None = None) -> int:
+    """How many processes are in a compute region now or left one less than GRACE_S ago (files of dead
+    processes are removed on the way)."""
     folder = folder or FOLDER
+    now = time.time() if now is None else now
     n = 0
     with contextlib.suppress(FileNotFoundError):
         for entry in folder.iterdir():
             if not entry.name.isdigit():
                 continue
             try:
-                started = entry.read_text().strip()
+                started, _, left = entry.read_text().strip().partition(" ")
             except OSError:
                 continue
-            if _alive(int(entry.name), started):
-                n += 1
-            else:
+            if not _alive(int(entry.name), started):
                 entry.unlink(missing_ok=True)
+            elif not left or now - float(left) < GRACE_S:
+                n += 1
     return n
+
+
+def _mark(left: float | None) -> None:
+    """This process's file: its start time, and when it left its last region (none while inside one)."""
+    FOLDER.mkdir(parents=True, exist_ok=True)
+    path = FOLDER / str(os.getpid())
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(_start_time(os.getpid()) + ("" if left is None else f" {left:.3f}") + "\n")
+    tmp.replace(path)
+
+
+def _unmark() -> None:
+    (FOLDER / str(os.getpid())).unlink(missing_ok=True)
+
+
+atexit.register(_unmark)
 
 
 def share(cores: int, computing: int) -> int:
@@ -125,19 +149,18 @@ def refresh() -> int:
 
 @contextlib.contextmanager
 def computing():
-    """A compute region of this process (re-entrant): counted by every other rsiflow process's share while in it."""
+    """A compute region of this process (re-entrant): counted by every other rsiflow process's share while in it
+    and for GRACE_S seconds after it."""
     global _depth
-    path = FOLDER / str(os.getpid())
     with _lock:
         _depth += 1
         if _depth == 1 and _setting == "auto":
-            FOLDER.mkdir(parents=True, exist_ok=True)
-            path.write_text(_start_time(os.getpid()) + "\n")
+            _mark(None)
     try:
         refresh()
         yield
     finally:
         with _lock:
             _depth -= 1
-            if _depth == 0:
-                path.unlink(missing_ok=True)
+            if _depth == 0 and _setting == "auto":
+                _mark(time.time())

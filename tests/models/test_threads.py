@@ -1,6 +1,7 @@
 """The thread policy (models/threads.py): each computing rsiflow process takes an even share of the cores, re-counted
 as other processes start and stop computing; a fixed setting is kept; a dead process's mark is not counted."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -23,17 +24,23 @@ def policy(tmp_path, monkeypatch):
     torch.set_num_threads(before)
 
 
-def _other_process(folder, *, exit_at_once=False):
-    """A process that enters a compute region (its mark in `folder`) and waits on stdin (or exits at once)."""
+def _other_process(folder, *, exit_at_once=False, leave=False):
+    """A process that enters a compute region (its mark in `folder`) and waits on stdin (or exits at once, or
+    leaves the region and then waits)."""
+    mode = "exit" if exit_at_once else "leave" if leave else "stay"
     code = textwrap.dedent(f"""
-        import sys
+        import os, sys
         from pathlib import Path
         from rsiflow.models import threads
         threads.FOLDER = Path({str(folder)!r})
         threads.machine_cores = lambda: 4
         with threads.computing():
+            if {mode!r} != "leave":
+                print("in", flush=True)
+                os._exit(0) if {mode!r} == "exit" else sys.stdin.readline()
+        if {mode!r} == "leave":
             print("in", flush=True)
-            {"import os; os._exit(0)" if exit_at_once else "sys.stdin.readline()"}
+            sys.stdin.readline()
     """)
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "in"
@@ -53,8 +60,20 @@ def test_a_process_alone_takes_every_core_and_shares_them_while_another_computes
             assert threads.refresh() == 2 and torch.get_num_threads() == 2
         finally:
             other.communicate("\n", timeout=60)
-        assert threads.refresh() == 4 and torch.get_num_threads() == 4  # the other one left its region
-    assert not any(policy.iterdir())  # this process's mark is gone with its region
+        assert threads.refresh() == 4 and torch.get_num_threads() == 4  # the other one has ended
+    threads._unmark()
+
+
+def test_a_process_that_left_its_region_counts_for_the_grace_period_and_not_after(policy):
+    import time
+
+    other = _other_process(policy, leave=True)
+    try:
+        assert threads.computing_processes(policy) == 1  # between two of its compute calls
+        assert threads.computing_processes(policy, now=time.time() + threads.GRACE_S + 1) == 0
+    finally:
+        other.communicate("\n", timeout=60)
+    assert not any(policy.iterdir())  # removed at its exit
 
 
 def test_a_dead_process_mark_is_not_counted_and_is_removed(policy):
@@ -63,7 +82,8 @@ def test_a_dead_process_mark_is_not_counted_and_is_removed(policy):
     assert [p.name for p in policy.iterdir()] == [str(other.pid)]  # it died inside its region
     with threads.computing():
         assert threads.computing_processes(policy) == 1 and threads.refresh() == 4
-    assert not any(policy.iterdir())
+    assert [p.name for p in policy.iterdir()] == [str(os.getpid())]  # the dead one's mark is gone
+    threads._unmark()
 
 
 def test_omp_num_threads_caps_the_share(policy, monkeypatch):
@@ -77,7 +97,9 @@ def test_regions_nest_and_a_fixed_count_leaves_no_mark(policy):
         with threads.computing():
             assert threads.computing_processes(policy) == 1
         assert threads.computing_processes(policy) == 1  # still inside the outer region
+    assert threads.computing_processes(policy) == 1  # within the grace period after its region
     threads.configure(3)
+    threads._unmark()
     with threads.computing():
         assert threads.refresh() == 3 and torch.get_num_threads() == 3
         assert threads.computing_processes(policy) == 0
