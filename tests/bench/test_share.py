@@ -12,13 +12,14 @@ from tests.conftest import TINY
 @pytest.mark.slow
 def test_two_rounds_at_once_are_timed_against_one_alone(tmp_path, capsys, model_cache):
     out = tmp_path / "share.json"
-    assert main(["--config", TINY, "--set", f"run.model_cache={model_cache}", "--policy", "auto", "--policy", "1",
+    assert main(["--config", TINY, "--set", f"run.model_cache={model_cache}", "--policy", "1+passive",
                  "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["alone_s"] > 0 and set(result["pairs"]) == {"auto", "1"}
-    for pair in result["pairs"].values():
-        assert len(pair["wall_s"]) == 2 and all(s > 0 for s in pair["slowdown"])
-    assert "two at once, run.threads=1" in capsys.readouterr().out
+    assert result["alone_s"] > 0 and set(result["pairs"]) == {"1+passive"}
+    assert result["alone_share_s"]["threads"] == max(1, result["cores"] // 2)
+    pair = result["pairs"]["1+passive"]
+    assert pair["omp_wait_policy"] == "PASSIVE" and len(pair["wall_s"]) == 2 and all(s > 0 for s in pair["slowdown"])
+    assert "two at once, run.threads=1 OMP_WAIT_POLICY=PASSIVE (1+passive)" in capsys.readouterr().out
 
 
 def test_a_failing_run_names_its_log(tmp_path, model_cache):
