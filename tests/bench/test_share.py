@@ -16,7 +16,8 @@ def test_two_rounds_at_once_are_timed_against_one_alone(tmp_path, capsys, model_
                  "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["alone_s"] > 0 and set(result["pairs"]) == {"1+passive"}
-    assert result["alone_share_s"]["threads"] == max(1, result["cores"] // 2)
+    if result["cores"] > 1:  # the floor: one round alone on half the cores
+        assert result["alone_share_s"]["threads"] == result["cores"] // 2
     pair = result["pairs"]["1+passive"]
     assert pair["omp_wait_policy"] == "PASSIVE" and len(pair["wall_s"]) == 2 and all(s > 0 for s in pair["slowdown"])
     assert "two at once, run.threads=1 OMP_WAIT_POLICY=PASSIVE (1+passive)" in capsys.readouterr().out
