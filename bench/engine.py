@@ -18,6 +18,11 @@ prompt ids, each row sampling exactly as many tokens as the `hf` engine's row di
 caching on), and the run also prints vLLM's engine start time, its generated tok/s and prefill per
 episode against the `hf` engine's, and vLLM's processed tokens/s against the same limit as the hf engine's.
 
+With `--dtype bfloat16` (or float16) the run also prints the mismatch of that sampler against a float32
+trainer, as a GRPO round's correction sees it: `--mismatch-rows` generations scored by a float32 copy of the
+model, mean |Δ logprob| of the sampled tokens, KL(sampler ‖ trainer), the share of tokens TIS caps, the mean
+weight (models/mismatch.py).
+
 Every run prints the hf engine's processed tokens/s (prefill + generated, in backend calls only) against
 this machine's limit measured in the same run (bench/roofline.py): the matmul FLOP/s the model's device
 reaches in its dtype, over the model's matmul FLOPs per token. On a GPU the model and the baseline run there
@@ -102,6 +107,9 @@ def main() -> None:
     ap.add_argument("--vllm", action="store_true", help="also replay the calls through the vllm backend")
     ap.add_argument("--vllm-python", default=None, help="interpreter with vllm (default: backend.vllm.python's)")
     ap.add_argument("--kv-cache-gib", type=int, default=4, help="vLLM CPU KV cache, GiB")
+    ap.add_argument("--mismatch-rows", type=int, default=32,
+                    help="with --dtype other than float32: score this many generations with a float32 copy and print "
+                    "the sampler/trainer mismatch (0: skip)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the plain-generate baseline (slowest part)")
     args = ap.parse_args()
 
@@ -141,6 +149,15 @@ def main() -> None:
           f"{per_token / 1e6:.0f} MFLOP per token = {limit:.0f} processed tok/s")
     print(f"hf       : {hf_processed:.0f} processed tok/s (prefill + generated, in backend.generate) "
           f"= {hf_processed / limit:.3f} of the limit")
+    if args.dtype != "float32" and args.mismatch_rows:
+        m = mismatch(backend, path, rec, args.mismatch_rows, params.temperature)
+        if not m["tokens"]:
+            print(f"mismatch : no sampled tokens with a logprob in {m['rows']} rows")
+        else:
+            print(f"mismatch : {args.dtype} sampler vs float32 trainer over {m['tokens']} tokens of {m['rows']} "
+                  f"rows: mean |delta logprob| {m['mean_abs_delta']:.4f}, KL(sampler || trainer) "
+                  f"{m['kl_sampler_trainer']:.4f}, TIS-capped share {m['capped_share']:.4f}, "
+                  f"mean weight {m['weight_mean']:.4f}")
     if not args.vllm:
         return
     replay_vllm(args, path, backend, rec, params, sampled, engine_rate, prefill, limit)
@@ -174,6 +191,40 @@ def replay_vllm(args, path, backend: HFBackend, rec: Recorder, params: SamplingP
     print(f"vllm     : prefill {prefilled / n:.0f} tokens per episode (prefix cache served "
           f"{1 - prefilled / prompt_total:.0%} of {prompt_total / n:.0f}) vs hf kv_reuse {hf_prefill:.0f}")
     print(f"vllm     : {processed:.0f} processed tok/s = {processed / limit:.2f} of the limit")
+
+
+def mismatch(backend: HFBackend, path, rec: Recorder, rows: int, temperature: float) -> dict:
+    """The sampler's dtype against the trainer's (float32): the first `rows` recorded generations are scored by a
+    float32 copy of the model (their templated prompt plus the kept tokens, logits over `temperature`), and their
+    sampled temperature-only logprobs compared with that score as the trainer's mismatch correction does (TIS,
+    cap 2: models/mismatch.py)."""
+    from rsiflow.models.loading import load_model_and_tokenizer
+    from rsiflow.models.mismatch import Correction, correction_weight, mismatch_stats
+
+    trainer = load_model_and_tokenizer(str(path), dtype="float32")[0].eval()
+    tok, c = backend.tokenizer, Correction("tis")
+    train_lp, sample_lp, weights, capped = [], [], [], []
+    done = 0
+    for conversations, gens in rec.calls:
+        texts = tok.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False)
+        for text, g in zip(texts, gens):
+            if done == rows:
+                break
+            if not g.token_ids:
+                continue
+            prompt = tok(text, add_special_tokens=False)["input_ids"]
+            ids = torch.tensor([prompt + list(g.token_ids)])
+            with torch.inference_mode():
+                logits = trainer(input_ids=ids).logits[0, len(prompt) - 1:-1].float() / temperature
+            lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(g.token_ids)[:, None]).squeeze(-1).tolist()
+            for t, s in zip(lp, g.temp_logprobs):
+                w, cap = correction_weight(t, s, c)
+                train_lp.append(t)
+                sample_lp.append(s)
+                weights.append(w)
+                capped.append(cap)
+            done += 1
+    return {"rows": done, **mismatch_stats(train_lp, sample_lp, weights, capped)}
 
 
 def _sampled(g) -> int:

@@ -24,3 +24,17 @@ def test_bench_engine_prints_its_ratios():
     # the roofline of the same run: a positive limit, and the engine's share of it below 1
     fraction = re.search(r"hf       : \d+ processed tok/s .* = ([0-9.]+) of the limit", out.stdout)
     assert fraction and 0 < float(fraction.group(1)) < 1, out.stdout
+
+
+def test_a_bf16_sampler_prints_its_mismatch_against_a_float32_trainer():
+    out = subprocess.run([sys.executable, "-m", "bench.engine", "--model", "tiny:0", "--episodes", "2",
+                          "--max-turns", "2", "--max-new-tokens", "4", "--kv-reuse", "--dtype", "bfloat16",
+                          "--no-baseline", "--mismatch-rows", "3"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    m = re.search(r"mismatch : bfloat16 sampler vs float32 trainer over (\d+) tokens of (\d+) rows: mean \|delta "
+                  r"logprob\| ([0-9.]+), KL\(sampler \|\| trainer\) (-?[0-9.]+), TIS-capped share ([0-9.]+)",
+                  out.stdout)
+    assert m, out.stdout
+    assert int(m.group(2)) == 3 and int(m.group(1)) >= 3 and 0 <= float(m.group(5)) <= 1
+    assert float(m.group(3)) > 0  # bf16 rounding moves the logprobs: a mismatch of exactly 0 would mean no scoring
