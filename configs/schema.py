@@ -39,8 +39,8 @@ class RunConfig(Section):
     threads: Literal["auto"] | Annotated[int, Field(ge=1, le=4096)] = Field(
         "auto", description="CPU compute threads of each rsiflow process (hf generation and training): 'auto' = an "
         "even share of the machine's cores among the rsiflow processes computing on it at the time, re-counted "
-        "every batch and optimizer step (two runs on one machine don't fight over the cores); a number fixes it "
-        "(1 makes a run's figures independent of what else runs). See docs/performance.md.")
+        "every batch and optimizer step (two runs on one machine don't fight over the cores); a number fixes the "
+        "count. Operational: it changes speed, not a run's identity. See docs/performance.md.")
 
     @field_validator("name")
     @classmethod
