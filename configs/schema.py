@@ -40,7 +40,8 @@ class RunConfig(Section):
         "auto", description="CPU compute threads of each rsiflow process (hf generation and training): 'auto' = an "
         "even share of the machine's cores among the rsiflow processes computing on it at the time, re-counted "
         "every batch and optimizer step (two runs on one machine don't fight over the cores); a number fixes the "
-        "count. Operational: it changes speed, not a run's identity. See docs/performance.md.")
+        "count. Operational: it changes speed, not a run's identity; only at the same count are sampled logprobs the "
+        "same to the last bit (decoding attention splits its sums over threads). See docs/performance.md.")
 
     @field_validator("name")
     @classmethod

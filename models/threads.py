@@ -3,25 +3,29 @@
 torch starts as many compute threads as the machine has cores, in every process. Two processes that compute at
 once then run twice as many threads as there are cores, and the threads of one process wait on each other at
 every operation while the other process holds a core: on 2 cores, two household rounds at once had not finished
-after 4.8x the time of one alone when they were stopped; with this policy each took 1.64x (one thread alone,
+after 4.8x the time of one alone when they were stopped; with this policy each took 1.63x (one thread alone,
 the floor of an even split, takes 1.45x). Figures and the bench: docs/performance.md.
 
 `run.threads: auto` (the default) gives each computing process `cores // n` threads, where n is the number of
-rsiflow processes of this user on this machine that are inside a compute region (a `generate` call of the hf
-backend, a training run), or left one less than `GRACE_S` seconds ago, at the time, itself included. The grace
-is for the gaps between a process's compute calls (env steps between two turns, the store between two steps), so
-that the other process does not take every core in each gap (on the bench it changed nothing measurable: 1.63x
-without, 1.64x with). A process enters a region with `computing()`; it announces itself by a file `<pid>` in a
-per-user folder of the temporary directory (holding when it left its last region; removed at exit; a file of a
-dead process is ignored and removed; an OMP_NUM_THREADS in the environment caps the share), and `refresh()`
-(called per batch of a generate call and per optimizer step) re-counts and changes torch's thread count when the
-share changed, so a process that started alone drops to its share as soon as another one starts computing, and
-takes the cores back when it ends. A number (`run.threads: 2`) fixes the count instead. The vLLM engine has its
-own setting (`backend.vllm.threads`); processes of `accelerate launch` each take `cores // train.processes`.
+rsiflow processes of this user on this machine inside a compute region (a `generate` call of the hf backend, a
+training run) at the time, itself included. A process enters a region with `computing()`, which puts a file
+`<pid>` in a per-user folder of the temporary directory for the region's length (a file of a dead or zombie
+process is ignored and removed; an OMP_NUM_THREADS in the environment caps the share), and `refresh()` (called
+per batch of a generate call and per optimizer step) re-counts and changes torch's thread count when the share
+changed, so a process that started alone drops to its share as soon as another one starts computing, and takes
+the cores back when it ends. A process between two compute calls (env steps, the store, waiting on a child) is
+not counted: an earlier version counted it for 30 s after its region, which changed nothing measurable on the
+bench (1.63x without, 1.64x with) and gave a run started right after another process computed one thread.
+A number (`run.threads: 2`) fixes the count instead. The vLLM engine has its own setting
+(`backend.vllm.threads`); processes of `accelerate launch` each take `cores // train.processes`.
 
-Figures and thread counts: on this project's 2-core CPU, SmolLM2-135M's logits in fp32 and its greedy tokens were
-bit-identical at 1 and 2 threads, so sharing changed no figure there; a kernel that splits a sum over threads
-would differ in the last bits, and a fixed `run.threads` makes a run independent of what else runs.
+Figures and thread counts: a run's figures are the same to the last bit at the same thread count, not across counts.
+PyTorch's CPU attention kernel splits the keys over threads when the query is one token (each decoding step), so
+sampled logprobs differ in the last bits between 1 and 2 threads (a tiny run: 18 of 34 turns' logprobs by about
+1e-6, the same tokens; a flip of a sampled token is possible where two tokens are that close), while prefill
+forwards of SmolLM2-135M were bit-identical and the tiny run's trained checkpoints the same bytes. Under `auto`, a
+run that shares the cores with another computing run therefore matches a run alone only up to rounding; fix
+`run.threads` where runs must match bit for bit while others compute (bench.lake does).
 """
 
 from __future__ import annotations
@@ -32,11 +36,9 @@ import math
 import os
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 FOLDER = Path(tempfile.gettempdir()) / f"rsiflow-cores-{os.getuid() if hasattr(os, 'getuid') else 0}"
-GRACE_S = 30.0  # a process that left its compute region less than this ago still counts as computing
 
 _lock = threading.Lock()
 _setting: int | str = "auto"
@@ -63,13 +65,15 @@ def configure(setting: int | str) -> None:
         _setting, _applied = setting, None
 
 
-def _start_time(pid: int) -> str:
-    """The process's start time (clock ticks since boot) from /proc: tells a live process from a reused pid."""
+def _proc_stat(pid: int) -> tuple[str, str]:
+    """The process's state letter and start time (clock ticks since boot) from /proc: tells a live process from
+    a zombie or a reused pid; ("", "") where /proc has none."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return ""
-    return stat.rsplit(")", 1)[-1].split()[19]
+        return "", ""
+    fields = stat.rsplit(")", 1)[-1].split()
+    return fields[0], fields[19]
 
 
 def _alive(pid: int, started: str) -> bool:
@@ -79,36 +83,37 @@ def _alive(pid: int, started: str) -> bool:
         return False
     except PermissionError:
         return True
-    return not started or not Path("/proc").is_dir() or _start_time(pid) == started
+    if not Path("/proc").is_dir():
+        return True
+    state, start = _proc_stat(pid)
+    return state != "Z" and (not started or start == started)
 
 
-def computing_processes(folder: Path | None = None, now: float | None = None) -> int:
-    """How many processes are in a compute region now or left one less than GRACE_S ago (files of dead
-    processes are removed on the way)."""
+def computing_processes(folder: Path | None = None) -> int:
+    """How many processes are in a compute region now (files of dead processes are removed on the way)."""
     folder = folder or FOLDER
-    now = time.time() if now is None else now
     n = 0
     with contextlib.suppress(FileNotFoundError):
         for entry in folder.iterdir():
             if not entry.name.isdigit():
                 continue
             try:
-                started, _, left = entry.read_text().strip().partition(" ")
+                started = entry.read_text().strip()
             except OSError:
                 continue
-            if not _alive(int(entry.name), started):
-                entry.unlink(missing_ok=True)
-            elif not left or now - float(left) < GRACE_S:
+            if _alive(int(entry.name), started):
                 n += 1
+            else:
+                entry.unlink(missing_ok=True)
     return n
 
 
-def _mark(left: float | None) -> None:
-    """This process's file: its start time, and when it left its last region (none while inside one)."""
+def _mark() -> None:
+    """This process's file while it is inside a compute region: its start time."""
     FOLDER.mkdir(parents=True, exist_ok=True)
     path = FOLDER / str(os.getpid())
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(_start_time(os.getpid()) + ("" if left is None else f" {left:.3f}") + "\n")
+    tmp.write_text(_proc_stat(os.getpid())[1] + "\n")
     tmp.replace(path)
 
 
@@ -149,18 +154,18 @@ def refresh() -> int:
 
 @contextlib.contextmanager
 def computing():
-    """A compute region of this process (re-entrant): counted by every other rsiflow process's share while in it
-    and for GRACE_S seconds after it."""
+    """A compute region of this process (re-entrant): counted by every other rsiflow process's share while in
+    it."""
     global _depth
     with _lock:
         _depth += 1
         if _depth == 1 and _setting == "auto":
-            _mark(None)
+            _mark()
     try:
         refresh()
         yield
     finally:
         with _lock:
             _depth -= 1
-            if _depth == 0 and _setting == "auto":
-                _mark(time.time())
+            if _depth == 0:
+                _unmark()

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from bench.identity import diff
+from rsiflow.models import threads
 from tests.conftest import REPO, TINY
 
 pytestmark = pytest.mark.slow
@@ -28,8 +29,11 @@ def _run(folder, model_cache, *extra):
 
 @pytest.mark.parametrize("method", ["exit", "grpo"])
 def test_the_same_config_run_twice_leaves_the_same_rows_and_checkpoints(tmp_path, model_cache, method):
-    extra = [f"distill.methods=[{method}]", "env.name=tests.flows.test_grpo_round:CoinEnv",
-             "env.kwargs={}", "env.max_turns=1", "env.show_admissible=false", "env.project_actions=false"]
+    # run.threads as auto would give a run alone on this machine's cores, fixed: the same figures to the last bit
+    # need the same thread count (models/threads.py), whatever else computes while the test runs
+    extra = [f"distill.methods=[{method}]", f"run.threads={threads.machine_cores()}",
+             "env.name=tests.flows.test_grpo_round:CoinEnv", "env.kwargs={}", "env.max_turns=1",
+             "env.show_admissible=false", "env.project_actions=false"]
     _run(tmp_path / "a", model_cache, *extra)
     _run(tmp_path / "b", model_cache, *extra)
     result = diff(tmp_path / "a", tmp_path / "b", ["runs/same.duckdb"])

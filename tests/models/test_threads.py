@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -64,16 +65,29 @@ def test_a_process_alone_takes_every_core_and_shares_them_while_another_computes
     threads._unmark()
 
 
-def test_a_process_that_left_its_region_counts_for_the_grace_period_and_not_after(policy):
-    import time
-
+def test_a_process_between_its_regions_is_not_counted(policy):
+    """E.g. the test process after an in-process round, while a run it started computes: that run takes every
+    core."""
     other = _other_process(policy, leave=True)
     try:
-        assert threads.computing_processes(policy) == 1  # between two of its compute calls
-        assert threads.computing_processes(policy, now=time.time() + threads.GRACE_S + 1) == 0
+        assert threads.computing_processes(policy) == 0
+        with threads.computing():
+            assert threads.refresh() == 4
     finally:
         other.communicate("\n", timeout=60)
-    assert not any(policy.iterdir())  # removed at its exit
+    assert not any(policy.iterdir())
+
+
+def test_a_zombie_inside_its_region_is_not_counted(policy):
+    """A process killed inside its region and not yet reaped by its parent is a zombie: it computes nothing."""
+    other = _other_process(policy, exit_at_once=True)
+    for _ in range(100):  # until it has exited (a zombie: this test has not waited on it)
+        if threads._proc_stat(other.pid)[0] == "Z":
+            break
+        time.sleep(0.05)
+    assert threads._proc_stat(other.pid)[0] == "Z"
+    assert threads.computing_processes(policy) == 0
+    other.wait(timeout=60)
 
 
 def test_a_dead_process_mark_is_not_counted_and_is_removed(policy):
@@ -82,8 +96,8 @@ def test_a_dead_process_mark_is_not_counted_and_is_removed(policy):
     assert [p.name for p in policy.iterdir()] == [str(other.pid)]  # it died inside its region
     with threads.computing():
         assert threads.computing_processes(policy) == 1 and threads.refresh() == 4
-    assert [p.name for p in policy.iterdir()] == [str(os.getpid())]  # the dead one's mark is gone
-    threads._unmark()
+        assert [p.name for p in policy.iterdir()] == [str(os.getpid())]  # the dead one's mark is gone
+    assert not any(policy.iterdir())  # this process's mark goes with its region
 
 
 def test_omp_num_threads_caps_the_share(policy, monkeypatch):
@@ -97,9 +111,8 @@ def test_regions_nest_and_a_fixed_count_leaves_no_mark(policy):
         with threads.computing():
             assert threads.computing_processes(policy) == 1
         assert threads.computing_processes(policy) == 1  # still inside the outer region
-    assert threads.computing_processes(policy) == 1  # within the grace period after its region
+    assert threads.computing_processes(policy) == 0 and not any(policy.iterdir())  # out of every region
     threads.configure(3)
-    threads._unmark()
     with threads.computing():
         assert threads.refresh() == 3 and torch.get_num_threads() == 3
         assert threads.computing_processes(policy) == 0
