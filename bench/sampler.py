@@ -1,0 +1,132 @@
+"""The hf backend's per-step sampling work against transformers' top-p and against the model's own decode step.
+
+    python -m bench.sampler [--model embedded:smollm2-135m-instruct] [--episodes 16] [--turns 2] [--top-p 0.95]
+
+1. Plays `--episodes` household episodes for `--turns` turns with the hf backend at temperature 1, then runs the
+   model once over each played conversation and keeps the logits at every position where the model generated a
+   token: the distributions a sampling step really sees (how wide the nucleus is decides what top-p costs).
+2. Times, on batches of `--batch` of those rows (the engine's decode batch), in this process and this run:
+   transformers' `TopPLogitsWarper` (a full sort of the vocabulary), rsiflow's `NucleusWarper` (the same kept
+   set from the top-ranked tokens), the rest of a sampling step (softmax, multinomial, two log-softmaxes), and
+   one decode step of the model itself at that batch (the context of the played episodes).
+Prints ms per step of each, the ratio of the two top-p filters, what top-p adds to a decode step before and
+after, the nucleus sizes seen, and in how many rows the two kept sets differ (tokens at the boundary, see
+tests/models/test_nucleus.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+from transformers.generation.logits_process import TopPLogitsWarper
+
+from bench.engine import Recorder
+from rsiflow.envs import make_env
+from rsiflow.envs.rollout import Episode, run_episodes
+from rsiflow.models.backend import SamplingParams
+from rsiflow.models.hf_backend import HFBackend, NucleusWarper
+from rsiflow.models.loading import resolve_base_model
+
+
+def played_logits(backend: HFBackend, rec: Recorder) -> tuple[torch.Tensor, int]:
+    """Logits (rows, vocab) at every generated position of the recorded calls, and the mean prompt length."""
+    tok, model = backend.tokenizer, backend.model
+    rows, lengths = [], []
+    with torch.inference_mode():
+        for conversations, gens in rec.calls:
+            texts = tok.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False)
+            for text, g in zip(texts, gens):
+                prompt = tok(text, add_special_tokens=False)["input_ids"]
+                if not g.token_ids:
+                    continue
+                ids = torch.tensor([prompt + g.token_ids])
+                logits = model(input_ids=ids).logits[0].float()
+                rows.append(logits[len(prompt) - 1:len(prompt) - 1 + len(g.token_ids)])
+                lengths.append(len(prompt))
+    return torch.cat(rows), round(statistics.mean(lengths))
+
+
+def per_call_ms(fn, batches: list[torch.Tensor], repeats: int) -> float:
+    fn(batches[0])
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        for b in batches:
+            fn(b)
+    return 1000 * (time.perf_counter() - t0) / (repeats * len(batches))
+
+
+def decode_step_ms(model, batch: int, context: int, steps: int = 8) -> float:
+    """One decode step of `batch` rows after a prefill of `context` tokens each (random ids)."""
+    ids = torch.randint(100, 20_000, (batch, context))
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        nxt = out.logits[:, -1].argmax(-1)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = model(input_ids=nxt[:, None], cache=cache, use_cache=True, logits_to_keep=1)
+            nxt = out.logits[:, -1].argmax(-1)
+    return 1000 * (time.perf_counter() - t0) / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="embedded:smollm2-135m-instruct")
+    ap.add_argument("--cache", default="~/.cache/rsiflow")
+    ap.add_argument("--episodes", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=16, help="rows per sampling step (the engine's decode batch)")
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    path = resolve_base_model(args.model, Path(args.cache).expanduser())
+    backend = HFBackend(path, max_batch_size=args.batch, kv_reuse=True)
+    tasks = make_env("household").sample_tasks("train", args.episodes, args.seed)
+    episodes = [Episode(traj_id=f"s{i}", task=t, group_id=t.task_id, sample_idx=0) for i, t in enumerate(tasks)]
+    rec = Recorder(backend)
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=args.top_p, stop=("\n",), seed=args.seed)
+    run_episodes(lambda: make_env("household"), episodes, rec, params, args.turns)
+    logits, context = played_logits(backend, rec)
+    n = len(logits) // args.batch * args.batch
+    batches = [logits[i:i + args.batch] for i in range(0, n, args.batch)]
+
+    hf, ours = TopPLogitsWarper(args.top_p), NucleusWarper(args.top_p)
+    hf_ms = per_call_ms(lambda b: hf(None, b.clone()), batches, args.repeats)
+    ours_ms = per_call_ms(lambda b: ours(None, b), batches, args.repeats)
+
+    def rest(b):
+        torch.multinomial(torch.softmax(b, dim=-1), num_samples=1)
+        torch.log_softmax(b, dim=-1)
+        torch.log_softmax(b, dim=-1)
+
+    rest_ms = per_call_ms(rest, batches, args.repeats)
+    step_ms = decode_step_ms(backend.model, args.batch, context)
+    kept_hf = ~torch.isinf(hf(None, logits[:n].clone()))
+    kept_ours = ~torch.isinf(ours(None, logits[:n]))
+    sizes = sorted(kept_hf.sum(-1).tolist())
+    differ = int((kept_hf != kept_ours).any(-1).sum())
+
+    print(f"rows: {n} generated positions of {args.episodes} household episodes x {args.turns} turns at T = 1 "
+          f"(mean prompt {context} tokens); batch {args.batch}; top_p {args.top_p}; torch threads "
+          f"{torch.get_num_threads()}")
+    print(f"nucleus size: median {sizes[len(sizes) // 2]}, p90 {sizes[int(0.9 * (len(sizes) - 1))]}, "
+          f"max {sizes[-1]} tokens of {logits.shape[-1]}")
+    print("| per sampling step | ms | of a decode step |\n|---|---|---|")
+    print(f"| model decode step (batch {args.batch}, context {context}) | {step_ms:.1f} | 1 |")
+    print(f"| top-p, transformers TopPLogitsWarper (full sort) | {hf_ms:.2f} | {hf_ms / step_ms:.3f} |")
+    print(f"| top-p, rsiflow NucleusWarper | {ours_ms:.2f} | {ours_ms / step_ms:.3f} |")
+    print(f"| softmax + multinomial + 2 log-softmax | {rest_ms:.2f} | {rest_ms / step_ms:.3f} |")
+    print(f"top-p speed-up: {hf_ms / ours_ms:.1f}x; a sampled decode step (model + top-p + rest) "
+          f"{(step_ms + hf_ms + rest_ms) / (step_ms + ours_ms + rest_ms):.2f}x faster; kept sets differ in "
+          f"{differ} of {n} rows")
+
+
+if __name__ == "__main__":
+    main()

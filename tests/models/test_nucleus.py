@@ -1,0 +1,60 @@
+"""The hf backend's top-p filter keeps the tokens transformers' TopPLogitsWarper keeps, without its full sort.
+
+transformers adds up float32 probabilities from the least likely token up, rsiflow float64 ones from the most likely
+down, so on a nucleus of thousands of near-equal tokens a token of ~1e-5 probability lying exactly at the boundary
+can fall on either side; the tests bound what may differ to such tokens. (On the logits SmolLM2 sampled household
+actions from, the kept sets were identical in every row at top_p 0.5-0.99: `python -m bench.sampler`.)"""
+
+import pytest
+import torch
+from transformers.generation.logits_process import TopPLogitsWarper
+
+from rsiflow.models.hf_backend import NucleusWarper
+
+VOCAB = 49_152  # SmolLM2's
+
+
+def _logits(rows: int, spread: float, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, VOCAB, generator=g) * spread
+
+
+def _assert_same_up_to_the_boundary(scores, got, expected):
+    differ = torch.isinf(got) != torch.isinf(expected)
+    probs = scores.softmax(dim=-1)
+    assert differ.sum(-1).max() <= 10, differ.sum(-1)
+    assert (probs * differ).sum(-1).max() < 1e-4  # what differs is a sliver of probability at the boundary
+    small = (~torch.isinf(expected)).sum(-1) < 1000  # a nucleus of up to hundreds of tokens: no slack at all
+    assert not differ[small].any()
+
+
+@pytest.mark.parametrize("top_p", [0.0, 0.5, 0.9, 0.95, 0.999])
+@pytest.mark.parametrize("spread", [0.5, 3.0, 12.0])  # a flat row (nucleus of thousands), a mixed one, a peaked one
+def test_keeps_the_same_tokens_as_transformers(top_p, spread):
+    scores = _logits(8, spread, seed=int(spread * 10) + int(top_p * 1000))
+    expected = TopPLogitsWarper(top_p)(None, scores.clone())
+    got = NucleusWarper(top_p)(None, scores.clone())
+    _assert_same_up_to_the_boundary(scores, got, expected)
+    kept = ~torch.isinf(got)
+    assert torch.equal(got[kept], scores[kept])  # kept scores are untouched
+    assert kept.sum(-1).min() >= 1
+
+
+def test_rows_needing_more_than_the_first_ranks_are_widened():
+    # One flat row needs thousands of tokens, one peaked row one: both must come out right in one call.
+    scores = torch.cat([_logits(1, 0.1, seed=1), _logits(1, 20.0, seed=2)])
+    got = NucleusWarper(0.95, first_k=4)(None, scores.clone())
+    expected = TopPLogitsWarper(0.95)(None, scores.clone())
+    _assert_same_up_to_the_boundary(scores, got, expected)
+    assert (~torch.isinf(got[0])).sum() > 1000 and (~torch.isinf(got[1])).sum() < 1000
+
+
+def test_the_most_likely_token_is_always_kept():
+    scores = torch.tensor([[5.0, 1.0, 0.0, -1.0]])
+    got = NucleusWarper(0.0)(None, scores)
+    assert torch.isfinite(got[0, 0]) and torch.isinf(got[0, 1:]).all()
+
+
+def test_rejects_a_top_p_outside_0_1():
+    with pytest.raises(ValueError, match="top_p"):
+        NucleusWarper(1.5)
