@@ -454,6 +454,12 @@ class GateConfig(Section):
         "gate.samples plays. Repeated gating on one held-out sample selects for its noise: this is the figure to "
         "report. 0 = no test split.")
     test_seed: int = Field(4321, description="Seed of the final test split's task sample (and its sampling seeds).")
+    dtype: Literal["trainer", "sampler"] = Field("trainer", description="Weights dtype of the plays that measure "
+        "a model (the gate, the final test split, the greedy learning diagnostics). trainer: model.dtype, whatever "
+        "dtype rollouts sample in (backend.<kind>.dtype), so a cheaper sampler never decides a promotion; with the "
+        "vllm backend a sampler dtype other than model.dtype then restarts its engine between generate and gate. "
+        "sampler: the backend's dtype (faster; candidate and champion still play in the same dtype). The two are "
+        "the same unless backend.<kind>.dtype is set.")
 
     @model_validator(mode="after")
     def _sampled_metric_needs_samples(self) -> GateConfig:

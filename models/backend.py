@@ -149,15 +149,22 @@ def open_backend(kind: str, model_path: str, *, dtype: str = "float32", trust_re
     return backend_class(kind).open(str(model_path), dtype=dtype, trust_remote_code=trust_remote_code, **options)
 
 
-def backend_for(cfg, model_path: str) -> GenerationBackend:
-    """The configured generation backend of `cfg` (`backend.kind`, its own options section) serving `model_path`."""
+def backend_for(cfg, model_path: str, evaluation: bool = False) -> GenerationBackend:
+    """The configured generation backend of `cfg` (`backend.kind`, its own options section) serving `model_path`.
+
+    Rollouts sample in the backend's dtype (`backend.<kind>.dtype`, default model.dtype). `evaluation` plays,
+    the ones that measure a model (the gate, the final test split, the greedy diagnostics), use the trainer's
+    dtype (`model.dtype`) unless `gate.dtype` is "sampler": a cheaper sampling dtype never decides a promotion."""
     from rsiflow.models import threads
 
     threads.configure(cfg.run.threads)
     options = cfg.backend.options()
     dtype = options.pop("dtype", None) or cfg.model.dtype  # a backend may sample in another dtype than training
+    if evaluation and cfg.gate.dtype == "trainer":
+        dtype = cfg.model.dtype
     return open_backend(cfg.backend.kind, model_path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code,
                         **options)
+
 
 def wants_scoring(option: bool | str, params: SamplingParams) -> bool:
     """A server backend's `score_temp_logprobs` option for this call: True or False as set, or "auto" = when the

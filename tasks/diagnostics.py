@@ -84,7 +84,7 @@ def train_task_replay(cfg, round_no: int, candidate_path: str, champion_path: st
                             for g in range(group)) for ti in range(len(tasks))]
     sampled = [Episode(traj_id=f"diag-{ti}-{g}", task=t, group_id=t.task_id, sample_idx=g)
                for ti, t in enumerate(tasks) for g in range(group)]
-    candidate = backend_for(cfg, candidate_path)
+    candidate = backend_for(cfg, candidate_path)  # the sampler's dtype, as the champion's rollouts it is held against
     play(cfg, candidate, sampled, cfg.backend.temperature, round_seed(cfg, round_no),
          f"round {round_no} diagnostics: candidate on {len(tasks)} training tasks x {group}", False)
     candidate_sampled = [sum(bool(e.success) for e in sampled[ti * group:(ti + 1) * group])
@@ -93,7 +93,7 @@ def train_task_replay(cfg, round_no: int, candidate_path: str, champion_path: st
     for role, path in (("candidate", candidate_path), ("champion", champion_path)):
         eps = [Episode(traj_id=f"diag-greedy-{ti}", task=t, group_id=t.task_id, sample_idx=0)
                for ti, t in enumerate(tasks)]
-        play(cfg, backend_for(cfg, path), eps, 0.0, cfg.gate.seed,
+        play(cfg, backend_for(cfg, path, evaluation=True), eps, 0.0, cfg.gate.seed,
              f"round {round_no} diagnostics: {role} greedy on {len(tasks)} training tasks", False)
         greedy[role] = [int(bool(e.success)) for e in eps]
     plays = len(tasks) * group

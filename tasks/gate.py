@@ -158,7 +158,7 @@ class HeldoutPlays:
             sampled_missing = [i for i in range(n) if i not in self.sampled[mid]] if self.samples else []
             if not missing and not sampled_missing:
                 continue
-            backend = backend_for(self.cfg, self.paths[mid])
+            backend = backend_for(self.cfg, self.paths[mid], evaluation=True)
             tag = self.tags[mid]
             if missing:
                 episodes = [Episode(traj_id=f"{self.prefix}/{tag}/{i:04d}", task=self.tasks[i],

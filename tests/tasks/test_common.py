@@ -120,3 +120,41 @@ def test_a_backend_without_must_redeploy_is_always_opened_and_switched(monkeypat
     cfg = load_config([TINY], tiny_overrides(tmp_path))
     assert redeploy_backend(cfg, "old", "new") == {"kind": "plain", "action": "switched", "path": "new",
                                                    "seconds": 0.0}
+
+
+@pytest.mark.parametrize("gate_dtype,expected", [("trainer", "float32"), ("sampler", "bfloat16")])
+def test_rollouts_sample_in_the_backend_dtype_and_evaluation_in_the_trainer_dtype(tiny_path, gate_dtype, expected):
+    import torch
+
+    import rsiflow.models.hf_backend as hb
+    from rsiflow.models.backend import backend_for
+
+    hb.clear_backends()
+    try:
+        cfg = load_config([TINY], ["backend.hf.dtype=bfloat16", f"gate.dtype={gate_dtype}"])
+        assert cfg.model.dtype == "float32"
+        rollouts = backend_for(cfg, str(tiny_path))
+        assert next(rollouts.model.parameters()).dtype == torch.bfloat16
+        evaluation = backend_for(cfg, str(tiny_path), evaluation=True)
+        assert next(evaluation.model.parameters()).dtype == getattr(torch, expected)
+    finally:
+        hb.clear_backends()
+
+
+def test_the_gate_plays_with_the_evaluation_backend(monkeypatch, tiny_path):
+    import rsiflow.tasks.gate as gate
+    from rsiflow.envs import make_env
+
+    asked = []
+
+    def spy(cfg, path, evaluation=False):
+        asked.append(evaluation)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(gate, "backend_for", spy)
+    cfg = load_config([TINY], ["backend.hf.dtype=bfloat16"])
+    task = make_env(cfg.env.name, **cfg.env.kwargs).sample_tasks("heldout", 1, 0)[0]
+    plays = gate.HeldoutPlays(cfg, [task], {"m": str(tiny_path)}, {"m": "m"}, "p", 0, {"m": 1}, 0, "gate")
+    with pytest.raises(RuntimeError, match="stop here"):
+        plays.play_first(1)
+    assert asked == [True]

@@ -32,7 +32,7 @@ def scripted(monkeypatch):
             e.status = "success" if e.success else "failure"
         return episodes
 
-    monkeypatch.setattr(gate, "backend_for", lambda cfg, path: path)
+    monkeypatch.setattr(gate, "backend_for", lambda cfg, path, evaluation=False: path)
     monkeypatch.setattr(gate, "play", play)
     monkeypatch.setattr(gate, "get_run_logger", lambda: logging.getLogger("test-gate"))
     monkeypatch.setattr(gate, "emit_event", lambda **kwargs: events.append(kwargs))

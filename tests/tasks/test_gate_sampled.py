@@ -41,7 +41,7 @@ def scripted(monkeypatch):
 
     for module in (gate, final_test):
         monkeypatch.setattr(module, "play", play, raising=False)
-    monkeypatch.setattr(gate, "backend_for", lambda cfg, path: path)
+    monkeypatch.setattr(gate, "backend_for", lambda cfg, path, evaluation=False: path)
     monkeypatch.setattr(gate, "get_run_logger", lambda: logging.getLogger("test-gate"))
     monkeypatch.setattr(gate, "emit_event", lambda **kwargs: None)
     return calls, solves
