@@ -258,6 +258,9 @@ class HFBackend:
         c_max, n_max = max(cached), max(len(x) for x in new)
 
         cache = DynamicCache(config=self.model.config)
+        # Room for the whole call up front: each decoding step writes its token in place instead of copying the
+        # layer's whole cache into a grown tensor (DynamicLayer's concatenation); the same values, bit for bit.
+        cache.layers = [ReservedCacheLayer(c_max + n_max + params.max_new_tokens) for _ in cache.layers]
         if c_max:
             entry_kv = next(e.kv for e, _ in matches if e is not None)
             layers, _, heads, _, head_dim = entry_kv.shape
@@ -390,6 +393,46 @@ class HFBackend:
         return self.tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
+class ReservedCacheLayer(DynamicLayer):
+    """A DynamicLayer whose keys/values live in a buffer of `capacity` tokens allocated once (grown, with a copy,
+    only if an update overflows it): `keys`/`values` are views of its filled part, so an update writes the new
+    tokens in place. DynamicLayer concatenates, copying the layer's whole cache every decoding step; on SmolLM2-135M
+    at batch 16 that copy was ~25% of a decoding step at a 1,200-token context (`python -m bench.decode`)."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity, self.length = capacity, 0
+        self._keys = self._values = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if self._keys is None or end > self._keys.shape[-2]:
+            batch, heads, _, dim = key_states.shape
+            size = max(end, self.capacity)
+            keys = key_states.new_empty(batch, heads, size, dim)
+            values = value_states.new_empty(batch, heads, size, dim)
+            if self._keys is not None:
+                keys[..., :self.length, :] = self._keys[..., :self.length, :]
+                values[..., :self.length, :] = self._values[..., :self.length, :]
+            self._keys, self._values = keys, values
+        self._keys[..., self.length:end, :] = key_states
+        self._values[..., self.length:end, :] = value_states
+        self.length = end
+        self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self._keys is not None:
+            self._keys, self._values = self._keys[indices], self._values[indices]
+            self.keys, self.values = self._keys[..., :self.length, :], self._values[..., :self.length, :]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("the hf backend never crops its decoding cache")
+
+
 class _StopWhenInterrupted(StoppingCriteria):
     """Ends `model.generate` at the next token once rsiflow is stopping (the caller then raises `Interrupted`)."""
 
@@ -419,7 +462,7 @@ class NucleusWarper(LogitsProcessor):
     1 - top_p: the same condition), up to floating-point rounding exactly at the boundary and the order of tied
     probabilities. Instead of sorting the whole vocabulary every decoding step it ranks only the `first_k` most
     likely tokens, and 8x as many while their mass is below `top_p` in some row: on SmolLM2's 49,152-token
-    vocabulary the full sort took most of a sampling step's non-model time (`python -m bench.sampler`)."""
+    vocabulary the full sort took most of a sampling step's non-model time (`python -m bench.decode`)."""
 
     def __init__(self, top_p: float, first_k: int = 128):
         if not 0.0 <= top_p <= 1.0:

@@ -3,7 +3,7 @@
 transformers adds up float32 probabilities from the least likely token up, rsiflow float64 ones from the most likely
 down, so on a nucleus of thousands of near-equal tokens a token of ~1e-5 probability lying exactly at the boundary
 can fall on either side; the tests bound what may differ to such tokens. (On the logits SmolLM2 sampled household
-actions from, the kept sets were identical in every row at top_p 0.5-0.99: `python -m bench.sampler`.)"""
+actions from, the kept sets were identical in every row at top_p 0.5-0.99: `python -m bench.decode`.)"""
 
 import pytest
 import torch

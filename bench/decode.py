@@ -1,6 +1,7 @@
-"""The hf backend's per-step sampling work against transformers' top-p and against the model's own decode step.
+"""The parts of the hf backend's decoding step, each against what transformers does in its place, in one run.
 
-    python -m bench.sampler [--model embedded:smollm2-135m-instruct] [--episodes 16] [--turns 2] [--top-p 0.95]
+    python -m bench.decode [--model embedded:smollm2-135m-instruct] [--episodes 16] [--turns 2] [--top-p 0.95]
+        [--contexts 300,1200]
 
 1. Plays `--episodes` household episodes for `--turns` turns with the hf backend at temperature 1, then runs the
    model once over each played conversation and keeps the logits at every position where the model generated a
@@ -9,9 +10,12 @@
    transformers' `TopPLogitsWarper` (a full sort of the vocabulary), rsiflow's `NucleusWarper` (the same kept
    set from the top-ranked tokens), the rest of a sampling step (softmax, multinomial, two log-softmaxes), and
    one decode step of the model itself at that batch (the context of the played episodes).
+3. Times the model's decode step at `--contexts` tokens of context with transformers' `DynamicLayer` cache (which
+   concatenates, copying each layer's whole cache every step) and with the backend's `ReservedCacheLayer` (written in
+   place), and checks that both give the same logits bit for bit.
 Prints ms per step of each, the ratio of the two top-p filters, what top-p adds to a decode step before and
-after, the nucleus sizes seen, and in how many rows the two kept sets differ (tokens at the boundary, see
-tests/models/test_nucleus.py).
+after, the nucleus sizes seen, in how many rows the two kept sets differ (tokens at the boundary, see
+tests/models/test_nucleus.py), and the decode step with either cache.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from bench.engine import Recorder
 from rsiflow.envs import make_env
 from rsiflow.envs.rollout import Episode, run_episodes
 from rsiflow.models.backend import SamplingParams
-from rsiflow.models.hf_backend import HFBackend, NucleusWarper
+from rsiflow.models.hf_backend import HFBackend, NucleusWarper, ReservedCacheLayer
 from rsiflow.models.loading import resolve_base_model
 
 
@@ -60,18 +64,22 @@ def per_call_ms(fn, batches: list[torch.Tensor], repeats: int) -> float:
     return 1000 * (time.perf_counter() - t0) / (repeats * len(batches))
 
 
-def decode_step_ms(model, batch: int, context: int, steps: int = 8) -> float:
-    """One decode step of `batch` rows after a prefill of `context` tokens each (random ids)."""
-    ids = torch.randint(100, 20_000, (batch, context))
+def decode_step_ms(model, batch: int, context: int, steps: int = 8,
+                   reserved: bool = True) -> tuple[float, torch.Tensor]:
+    """One decode step of `batch` rows after a prefill of `context` tokens each (random ids, seeded), with the
+    backend's reserved cache or transformers' DynamicLayer; and the last step's logits."""
+    ids = torch.randint(100, 20_000, (batch, context), generator=torch.Generator().manual_seed(context))
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
+        if reserved:
+            cache.layers = [ReservedCacheLayer(context + steps + 1) for _ in cache.layers]
         out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         nxt = out.logits[:, -1].argmax(-1)
         t0 = time.perf_counter()
         for _ in range(steps):
             out = model(input_ids=nxt[:, None], cache=cache, use_cache=True, logits_to_keep=1)
             nxt = out.logits[:, -1].argmax(-1)
-    return 1000 * (time.perf_counter() - t0) / steps
+    return 1000 * (time.perf_counter() - t0) / steps, out.logits
 
 
 def main() -> None:
@@ -84,6 +92,7 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--contexts", default="300,1200", help="contexts (tokens) of the cache comparison")
     args = ap.parse_args()
 
     path = resolve_base_model(args.model, Path(args.cache).expanduser())
@@ -107,7 +116,7 @@ def main() -> None:
         torch.log_softmax(b, dim=-1)
 
     rest_ms = per_call_ms(rest, batches, args.repeats)
-    step_ms = decode_step_ms(backend.model, args.batch, context)
+    step_ms, _ = decode_step_ms(backend.model, args.batch, context)
     kept_hf = ~torch.isinf(hf(None, logits[:n].clone()))
     kept_ours = ~torch.isinf(ours(None, logits[:n]))
     sizes = sorted(kept_hf.sum(-1).tolist())
@@ -126,6 +135,19 @@ def main() -> None:
     print(f"top-p speed-up: {hf_ms / ours_ms:.1f}x; a sampled decode step (model + top-p + rest) "
           f"{(step_ms + hf_ms + rest_ms) / (step_ms + ours_ms + rest_ms):.2f}x faster; kept sets differ in "
           f"{differ} of {n} rows")
+
+    print(f"| decode step (batch {args.batch}) | DynamicLayer (concatenating) ms | rsiflow ReservedCacheLayer ms | "
+          "speed-up | same logits |")
+    print("|---|---|---|---|---|")
+    for ctx in [int(c) for c in args.contexts.split(",")]:
+        rows = {}
+        for reserved in (False, True, False, True):  # interleaved, each measured twice; the faster of the two kept
+            ms, logits = decode_step_ms(backend.model, args.batch, ctx, reserved=reserved)
+            best = rows.get(reserved, (float("inf"), None))[0]
+            rows[reserved] = (min(ms, best), logits)
+        same = torch.equal(rows[False][1], rows[True][1])
+        print(f"| context {ctx} | {rows[False][0]:.1f} | {rows[True][0]:.1f} | {rows[False][0] / rows[True][0]:.2f}x | "
+              f"{same} |")
 
 
 if __name__ == "__main__":
