@@ -16,7 +16,8 @@ plus prefill tokens per episode against the final context length.
 With `--vllm`, the same recorded calls are replayed through the `vllm` backend (the same templated
 prompt ids, each row sampling exactly as many tokens as the `hf` engine's row did, eos ignored, prefix
 caching on), and the run also prints vLLM's engine start time, its generated tok/s and prefill per
-episode against the `hf` engine's, and vLLM's processed tokens/s against the same limit as the hf engine's.
+episode against the `hf` engine's, vLLM's processed tokens/s against the same limit as the hf engine's, and
+after how many such episodes in one process its start pays off (start / the seconds it saves an episode).
 
 With `--dtype bfloat16` (or float16) the run also prints the mismatch of that sampler against a float32
 trainer, as a GRPO round's correction sees it: `--mismatch-rows` generations scored by a float32 copy of the
@@ -191,6 +192,12 @@ def replay_vllm(args, path, backend: HFBackend, rec: Recorder, params: SamplingP
     print(f"vllm     : prefill {prefilled / n:.0f} tokens per episode (prefix cache served "
           f"{1 - prefilled / prompt_total:.0%} of {prompt_total / n:.0f}) vs hf kv_reuse {hf_prefill:.0f}")
     print(f"vllm     : {processed:.0f} processed tok/s = {processed / limit:.2f} of the limit")
+    hf_episode, vllm_episode = rec.seconds / n, seconds / n
+    if vllm_episode < hf_episode:
+        print(f"vllm     : its start pays off after {start_s / (hf_episode - vllm_episode):.0f} episodes like these "
+              f"in one process (hf {hf_episode:.2f} s an episode in backend.generate, vllm {vllm_episode:.2f} s)")
+    else:
+        print(f"vllm     : never pays off here (hf {hf_episode:.2f} s an episode, vllm {vllm_episode:.2f} s)")
 
 
 def mismatch(backend: HFBackend, path, rec: Recorder, rows: int, temperature: float) -> dict:
