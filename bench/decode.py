@@ -13,6 +13,8 @@
 3. Times the model's decode step at `--contexts` tokens of context with transformers' `DynamicLayer` cache (which
    concatenates, copying each layer's whole cache every step) and with the backend's `ReservedCacheLayer` (written in
    place), and checks that both give the same logits bit for bit.
+4. Times prefill and the decode step at the longest of `--contexts` with bfloat16 weights: attention in bfloat16
+   (transformers' SDPA) and in float32 on a float32 cache (what the hf backend does on CPU), against float32.
 Prints ms per step of each, the ratio of the two top-p filters, what top-p adds to a decode step before and
 after, the nucleus sizes seen, in how many rows the two kept sets differ (tokens at the boundary, see
 tests/models/test_nucleus.py), and the decode step with either cache.
@@ -33,7 +35,7 @@ from bench.engine import Recorder
 from rsiflow.envs import make_env
 from rsiflow.envs.rollout import Episode, run_episodes
 from rsiflow.models.backend import SamplingParams
-from rsiflow.models.hf_backend import HFBackend, NucleusWarper, ReservedCacheLayer
+from rsiflow.models.hf_backend import FLOAT32_SDPA, HFBackend, NucleusWarper, ReservedCacheLayer
 from rsiflow.models.loading import resolve_base_model
 
 
@@ -64,16 +66,20 @@ def per_call_ms(fn, batches: list[torch.Tensor], repeats: int) -> float:
     return 1000 * (time.perf_counter() - t0) / (repeats * len(batches))
 
 
-def decode_step_ms(model, batch: int, context: int, steps: int = 8,
-                   reserved: bool = True) -> tuple[float, torch.Tensor]:
+def decode_step_ms(model, batch: int, context: int, steps: int = 8, reserved: bool = True,
+                   kv_dtype: torch.dtype | None = None, prefill: list | None = None) -> tuple[float, torch.Tensor]:
     """One decode step of `batch` rows after a prefill of `context` tokens each (random ids, seeded), with the
-    backend's reserved cache or transformers' DynamicLayer; and the last step's logits."""
+    backend's reserved cache (keys/values in `kv_dtype`) or transformers' DynamicLayer; and the last step's logits.
+    The prefill's tokens/s is appended to `prefill` when given."""
     ids = torch.randint(100, 20_000, (batch, context), generator=torch.Generator().manual_seed(context))
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
         if reserved:
-            cache.layers = [ReservedCacheLayer(context + steps + 1) for _ in cache.layers]
+            cache.layers = [ReservedCacheLayer(context + steps + 1, dtype=kv_dtype) for _ in cache.layers]
+        t0 = time.perf_counter()
         out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        if prefill is not None:
+            prefill.append(batch * context / (time.perf_counter() - t0))
         nxt = out.logits[:, -1].argmax(-1)
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -148,6 +154,24 @@ def main() -> None:
         same = torch.equal(rows[False][1], rows[True][1])
         print(f"| context {ctx} | {rows[False][0]:.1f} | {rows[True][0]:.1f} | {rows[False][0] / rows[True][0]:.2f}x | "
               f"{same} |")
+
+    ctx = max(int(c) for c in args.contexts.split(","))
+    model = backend.model
+    variants = [("float32", torch.float32, "sdpa", None),
+                ("bfloat16, attention in bfloat16", torch.bfloat16, "sdpa", None),
+                ("bfloat16, attention in float32 (rsiflow on CPU)", torch.bfloat16, FLOAT32_SDPA, torch.float32)]
+    print(f"| weights (batch {args.batch}, context {ctx}) | prefill tok/s | decode step ms | of float32's step |")
+    print("|---|---|---|---|")
+    first = None
+    for name, dtype, attention, kv_dtype in variants:
+        model.to(dtype)
+        model.set_attn_implementation(attention)
+        prefill: list[float] = []
+        ms = min(decode_step_ms(model, args.batch, ctx, kv_dtype=kv_dtype, prefill=prefill)[0] for _ in range(2))
+        first = first or ms
+        print(f"| {name} | {max(prefill):.0f} | {ms:.1f} | {ms / first:.2f} |")
+    model.to(torch.float32)
+    model.set_attn_implementation("sdpa")
 
 
 if __name__ == "__main__":

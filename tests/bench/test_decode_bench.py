@@ -21,3 +21,6 @@ def test_bench_decode_prints_both_filters_both_caches_and_their_agreement():
     caches = re.findall(r"\| context (\d+) \| ([0-9.]+) \| ([0-9.]+) \| [0-9.]+x \| (True|False) \|", out.stdout)
     assert [c[0] for c in caches] == ["40", "90"], out.stdout
     assert all(c[3] == "True" for c in caches)  # the reserved cache gives the same logits bit for bit
+    weights = re.findall(r"\| (float32|bfloat16, attention in [a-z0-9]+[^|]*) \| (\d+) \| ([0-9.]+) \| ([0-9.]+) \|",
+                         out.stdout)
+    assert len(weights) == 3 and weights[0][3] == "1.00", out.stdout

@@ -52,3 +52,35 @@ def test_decoding_with_the_reserved_cache_gives_the_same_logits(tiny_path):
                 steps.append(out.logits[:, -1])
         logits.append(torch.stack(steps))
     assert torch.equal(logits[0], logits[1])
+
+
+def test_half_precision_weights_on_cpu_attend_in_float32_over_a_float32_cache(tiny_path):
+    from rsiflow.models.backend import SamplingParams
+    from rsiflow.models.hf_backend import FLOAT32_SDPA, HFBackend
+
+    conversations = [[{"role": "user", "content": f"Room {i}: a corridor, a door. Your action:"}] for i in range(3)]
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    full = HFBackend(tiny_path, kv_reuse=True)
+    assert full.model.config._attn_implementation == "sdpa" and full._kv_dtype is None
+    half = HFBackend(tiny_path, dtype="bfloat16", kv_reuse=True)
+    assert next(half.model.parameters()).dtype == torch.bfloat16
+    assert half.model.config._attn_implementation == FLOAT32_SDPA
+    generations = half.generate(conversations, greedy)
+    assert all(g.token_ids for g in generations)
+    assert {entry.kv.dtype for entry in half._kv_store} == {torch.float32}  # what the next turn reuses
+
+
+def test_float32_attention_is_sdpa_on_the_upcast_inputs():
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from rsiflow.models.hf_backend import _sdpa_in_float32
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 1, 8, generator=g).bfloat16()
+    k, v = torch.randn(2, 2, 5, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    got, _ = _sdpa_in_float32(module, q, k, v, None, scaling=0.3)
+    want, _ = sdpa_attention_forward(module, q.float(), k, v, None, scaling=0.3)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
