@@ -57,6 +57,7 @@ from transformers import (
 from transformers.cache_utils import DynamicLayer
 from transformers.generation.logits_process import TemperatureLogitsWarper
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from rsiflow.models import threads
 from rsiflow.models.backend import (
@@ -453,6 +454,8 @@ def _sdpa_in_float32(module, query, key, value, attention_mask, **kwargs):
 
 FLOAT32_SDPA = "rsiflow_sdpa_float32"
 AttentionInterface.register(FLOAT32_SDPA, _sdpa_in_float32)
+# The masks SDPA gets (padding, cached rows): transformers builds none for an attention name it has no mask for.
+AttentionMaskInterface.register(FLOAT32_SDPA, sdpa_mask)
 
 
 class _StopWhenInterrupted(StoppingCriteria):

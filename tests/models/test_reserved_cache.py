@@ -84,3 +84,29 @@ def test_float32_attention_is_sdpa_on_the_upcast_inputs():
     got, _ = _sdpa_in_float32(module, q, k, v, None, scaling=0.3)
     want, _ = sdpa_attention_forward(module, q.float(), k, v, None, scaling=0.3)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
+
+
+def test_half_precision_cached_turns_score_like_a_plain_forward(tiny_path):
+    # The cached layout ([pad][cached][pad][new]) needs its padding mask: a custom attention name gets none from
+    # transformers unless one is registered for it, and the rows then attend to their pads.
+    from rsiflow.models.backend import SamplingParams
+    from rsiflow.models.hf_backend import HFBackend
+
+    backend = HFBackend(tiny_path, dtype="bfloat16", kv_reuse=True)
+    greedy = SamplingParams(max_new_tokens=5, temperature=0.0)
+    conversations = [[{"role": "user", "content": "Room: " + "a dusty corridor, " * (3 * i) + "a door. Action:"}]
+                     for i in range(3)]
+    first = backend.generate(conversations, greedy)
+    conversations = [c + [{"role": "assistant", "content": g.text}, {"role": "user", "content": "Next?" * (i + 1)}]
+                     for i, (c, g) in enumerate(zip(conversations, first))]
+    second = backend.generate(conversations, greedy)
+    assert all(g.extra["cached_tokens"] > 0 for g in second)
+    tok = backend.tokenizer
+    for conversation, g in zip(conversations, second):
+        prompt = tok(tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False),
+                     add_special_tokens=False)["input_ids"]
+        with torch.inference_mode():
+            logits = backend.model(input_ids=torch.tensor([prompt + g.token_ids])).logits[0].float()
+        scored = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+        scored = scored.gather(1, torch.tensor(g.token_ids)[:, None]).squeeze(1)
+        assert torch.allclose(scored, torch.tensor(g.logprobs), atol=0.05), (scored, g.logprobs)
