@@ -144,9 +144,10 @@ class HFBackend:
         eos = model.generation_config.eos_token_id
         self._eos_ids = set(eos) if isinstance(eos, list) else {eos}
         self.model = model.to(self.device)
-        # On CPU, PyTorch's attention kernel is far slower in bfloat16/float16 than in float32 when decoding (3.6x at a
-        # 600-token context, while the half-precision matmuls ran 1.9x faster): attention runs in float32 there,
-        # on keys/values cached in float32, and only the Linear layers in the weights' dtype.
+        # On CPU, PyTorch's attention kernel decodes far slower in bfloat16/float16 than in float32: a bf16 decode
+        # step took 2.22x float32's at a 1,200-token context, and 0.75x with attention in float32 (`python -m
+        # bench.decode`). So attention runs in float32 there, on keys/values cached in float32, and only the Linear
+        # layers in the weights' dtype.
         self._kv_dtype = torch.float32 if self.device == "cpu" and self.model.dtype != torch.float32 else None
         if self._kv_dtype is not None:
             self.model.set_attn_implementation(FLOAT32_SDPA)
