@@ -48,6 +48,72 @@ from rsiflow.models.hf_backend import HFBackend
 from rsiflow.models.loading import resolve_base_model
 
 
+class ForwardClock:
+    """Times every forward pass of the backend's model (hooks added from outside; the backend is unchanged) and
+    keeps, per pass: rows, query length, real (unpadded) query tokens, context width (cached + new positions,
+    pads included) and seconds. A pass with a one-token query is a decoding step; any other is a prefill."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.passes: list[dict] = []
+        self._t0 = 0.0
+        self._pending: dict | None = None
+        self._hooks = [model.register_forward_pre_hook(self._before, with_kwargs=True),
+                       model.register_forward_hook(self._after, with_kwargs=True)]
+
+    def _before(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        mask = kwargs.get("attention_mask")
+        rows, query = ids.shape
+        real = int(mask[:, -query:].sum()) if mask is not None else rows * query
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        width = mask.shape[1] if mask is not None else query + _cached(cache)
+        self._pending = {"rows": rows, "query": query, "real": real, "width": width}
+        self._t0 = time.perf_counter()
+
+    def _after(self, module, args, kwargs, output):
+        if next(module.parameters()).device.type == "cuda":
+            torch.cuda.synchronize()
+        self._pending["seconds"] = time.perf_counter() - self._t0
+        self.passes.append(self._pending)
+        self._pending = None
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+def _cached(cache) -> int:
+    """Positions already in a cache passed to a forward without a mask (0: none)."""
+    return int(cache.get_seq_length()) if cache is not None else 0
+
+
+def split_report(passes: list[dict], model, generate_seconds: float, flops: float, bandwidth: float,
+                 kv_dtype: torch.dtype) -> dict:
+    """Prefill and decoding apart, each against its own limit (bench/roofline.py): prefill tokens/s over the
+    matmul limit; decoding steps' least time (the larger of FLOPs / matmul throughput and bytes / read
+    bandwidth, per step) over their measured time; and backend time outside forward passes (sampling, top-p,
+    stop strings, batch bookkeeping)."""
+    prefill = [p for p in passes if p["query"] > 1]
+    decode = [p for p in passes if p["query"] == 1]
+    per_token = roofline.flops_per_token(model)
+    out = {"prefill_passes": len(prefill), "prefill_tokens": sum(p["real"] for p in prefill),
+           "prefill_fed": sum(p["rows"] * p["query"] for p in prefill),
+           "prefill_seconds": sum(p["seconds"] for p in prefill),
+           "decode_steps": len(decode), "decode_tokens": sum(p["rows"] for p in decode),
+           "decode_seconds": sum(p["seconds"] for p in decode),
+           "decode_least_seconds": sum(roofline.decode_step_limit(model, p["rows"], p["width"], flops, bandwidth,
+                                                                  kv_dtype) for p in decode),
+           "decode_bytes": sum(roofline.decode_step_bytes(model, p["rows"], p["width"], kv_dtype) for p in decode)}
+    out["outside_seconds"] = generate_seconds - out["prefill_seconds"] - out["decode_seconds"]
+    out["prefill_rate"] = out["prefill_tokens"] / out["prefill_seconds"] if prefill else math.nan
+    out["prefill_of_limit"] = out["prefill_rate"] * per_token / flops
+    out["decode_rate"] = out["decode_tokens"] / out["decode_seconds"] if decode else math.nan
+    out["decode_of_limit"] = out["decode_least_seconds"] / out["decode_seconds"] if decode else math.nan
+    out["decode_rows"] = out["decode_tokens"] / len(decode) if decode else math.nan
+    out["decode_context"] = sum(p["width"] for p in decode) / len(decode) if decode else math.nan
+    return out
+
+
 class Recorder:
     """Passes calls to the real backend and keeps (conversations, generations) of each call."""
 
@@ -120,9 +186,11 @@ def main() -> None:
     episodes = [Episode(traj_id=f"b{i}", task=t, group_id=t.task_id, sample_idx=0) for i, t in enumerate(tasks)]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=0.95, seed=args.seed)
     rec = Recorder(backend)
+    clock = ForwardClock(backend.model)
     t0 = time.perf_counter()
     run_episodes(lambda: make_env("household"), episodes, rec, params, args.max_turns)
     engine_s = time.perf_counter() - t0
+    clock.remove()
     kept = sum(len(g.token_ids) for _, gens in rec.calls for g in gens)
     sampled = sum(_sampled(g) for _, gens in rec.calls for g in gens)
     base_s, base_tokens = (math.nan, 0) if args.no_baseline else baseline_seconds(backend, rec.calls, params)
@@ -150,6 +218,19 @@ def main() -> None:
           f"{per_token / 1e6:.0f} MFLOP per token = {limit:.0f} processed tok/s")
     print(f"hf       : {hf_processed:.0f} processed tok/s (prefill + generated, in backend.generate) "
           f"= {hf_processed / limit:.3f} of the limit")
+    print(f"calls    : {sum(len(gens) for _, gens in rec.calls)} rows in {len(rec.calls)} backend calls")
+    bandwidth = roofline.read_bandwidth(backend.model.device)
+    sp = split_report(clock.passes, backend.model, rec.seconds, flops, bandwidth, backend.kv_dtype)
+    print(f"prefill  : {sp['prefill_tokens']} tokens ({sp['prefill_fed']} fed with pads) in {sp['prefill_passes']} "
+          f"passes, {sp['prefill_seconds']:.2f} s = {sp['prefill_rate']:.0f} tok/s = {sp['prefill_of_limit']:.3f} "
+          "of the matmul limit")
+    step_mb = sp["decode_bytes"] / max(1, sp["decode_steps"]) / 1e6
+    print(f"decode   : {sp['decode_tokens']} tokens in {sp['decode_steps']} steps ({sp['decode_rows']:.1f} rows, "
+          f"context {sp['decode_context']:.0f} a step), {sp['decode_seconds']:.2f} s = {sp['decode_rate']:.0f} "
+          f"tok/s; read bandwidth {bandwidth / 1e9:.1f} GB/s, {step_mb:.0f} MB a step (weights + keys/values) -> "
+          f"least {sp['decode_least_seconds']:.2f} s = {sp['decode_of_limit']:.3f} of the limit")
+    print(f"other    : {sp['outside_seconds']:.2f} s of backend.generate outside forward passes "
+          "(sampling, top-p, stop strings, batch bookkeeping)")
     if args.dtype != "float32" and args.mismatch_rows:
         m = mismatch(backend, path, rec, args.mismatch_rows, params.temperature)
         if not m["tokens"]:

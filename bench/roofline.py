@@ -6,6 +6,12 @@ best run at the matmul throughput this device reaches in the model's dtype, on a
 shape: `matmul_flops`. Their ratio is the processed tokens/s (prefill + generated) that no engine exceeds;
 training does about 3x the forward work per token (the backward pass computes two matmuls for each of the
 forward's), so its limit is a third of that.
+
+That compute roof bounds work where each weight read serves many tokens (prefill, training). A decoding step
+feeds one token per row, so it also reads every weight once for the whole batch and each row's cached keys and
+values: `decode_step_bytes`. At the memory bandwidth the device reaches (`read_bandwidth`, measured the same
+way), a step can take no less than its bytes over that bandwidth, nor less than its FLOPs over the matmul
+throughput; the larger of the two is the step's limit (`decode_step_limit`): a roofline with both roofs.
 """
 
 from __future__ import annotations
@@ -45,6 +51,48 @@ def matmul_flops(model, tokens: int = 512, seconds: float = 2.0) -> float:
         n += 10
         _sync(p.device)
     return 2 * tokens * hidden * inter * n / (time.perf_counter() - t0)
+
+
+def read_bandwidth(device: torch.device | str = "cpu", gib: float = 1.0, seconds: float = 2.0) -> float:
+    """Bytes/s this process reads from memory: a float32 sum over `gib` GiB (far beyond the caches) repeated
+    over `seconds` after a warm-up, on `device` (CPU: this process's torch threads)."""
+    device = torch.device(device)
+    x = torch.ones(int(gib * 2**30) // 4, device=device)
+    x.sum()
+    _sync(device)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        x.sum()
+        n += 1
+        _sync(device)
+    return n * x.numel() * 4 / (time.perf_counter() - t0)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of every parameter (tied embeddings counted once): what one forward pass reads at least once."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def kv_bytes_per_position(model, kv_dtype: torch.dtype | None = None) -> int:
+    """Bytes of the cached keys and values of one position of one row, over all layers."""
+    cfg = model.config
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    size = torch.empty((), dtype=kv_dtype or next(model.parameters()).dtype).element_size()
+    return 2 * cfg.num_hidden_layers * heads * head_dim * size
+
+
+def decode_step_bytes(model, rows: int, context: int, kv_dtype: torch.dtype | None = None) -> int:
+    """Least bytes a decoding step of `rows` rows over `context` cached positions (pads included: the kernel
+    reads them) moves: the weights once, each row's keys and values once."""
+    return weight_bytes(model) + rows * context * kv_bytes_per_position(model, kv_dtype)
+
+
+def decode_step_limit(model, rows: int, context: int, flops: float, bandwidth: float,
+                      kv_dtype: torch.dtype | None = None) -> float:
+    """Least seconds for one decoding step: the larger of its matmul FLOPs over `flops` (FLOP/s) and its bytes
+    over `bandwidth` (bytes/s)."""
+    return max(rows * flops_per_token(model) / flops, decode_step_bytes(model, rows, context, kv_dtype) / bandwidth)
 
 
 def describe(model) -> str:

@@ -39,6 +39,7 @@ finished rows from the batch. `prompt_tokens` stays the full prompt; `extra["pre
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +80,9 @@ DEFAULT_KV_STORE_MAX_TOKENS = 1 << 16
 # With kv_reuse, a token prefix shared by all prompts of a call (system prompt + few-shot turns) at least
 # this long is encoded once and reused by every prompt.
 MIN_SHARED_PREFIX = 32
+# A prefill pass's fixed cost in tokens of work (`prefill_groups`): rows are split into separate passes only where
+# that saves more padding than this per extra pass.
+PREFILL_PASS_TOKENS = 32
 
 
 @dataclass
@@ -149,8 +153,11 @@ class HFBackend:
         # bench.decode`). So attention runs in float32 there, on keys/values cached in float32, and only the Linear
         # layers in the weights' dtype.
         self._kv_dtype = torch.float32 if self.device == "cpu" and self.model.dtype != torch.float32 else None
+        self._attention_per_position = attention_per_position(self.model)
         if self._kv_dtype is not None:
             self.model.set_attn_implementation(FLOAT32_SDPA)
+        elif self.device == "cpu" and self.model.config._attn_implementation == "sdpa":
+            self.model.set_attn_implementation(GROUPED_SDPA)
         self.tokenizer = tokenizer
         self.model_path = str(model_path)
         self._kv_store = []  # keys/values of the old weights are worthless now
@@ -163,6 +170,11 @@ class HFBackend:
     def clear_kv_store(self) -> None:
         """Forget the keys/values kept for reuse (the same outputs up to floating-point rounding, slower)."""
         self._kv_store = []
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype decoding caches keys and values in (float32 for half-precision weights on CPU)."""
+        return self._kv_dtype or self.model.dtype
 
     @property
     def kv_store_tokens(self) -> int:
@@ -259,37 +271,41 @@ class HFBackend:
         """Prefill each row's uncached tokens after its reused keys/values, then decode token by token
         (`Interrupted` between two tokens once rsiflow is stopping: `start_count` as in models.backend).
 
-        Row i (c cached, n new tokens) is laid out as [pad x (C-c)] [cached] [pad x (N-n)] [new]; pads are
-        masked, and position ids count only real tokens, so each row sees exactly its own sequence.
+        The decoding cache lays row i (c cached, n new tokens) out as [pad x (C-c)] [cached] [pad x (N-n)] [new]
+        (C, N: the chunk's largest); pads are masked, and position ids count only real tokens, so each row sees
+        exactly its own sequence. Rows whose lengths differ widely are prefilled in groups (`prefill_groups`).
         """
-        device, pad = self.device, self.tokenizer.pad_token_id
+        device = self.device
         batch = len(prompts)
         cached = [c for _, c in matches]
         new = [p[c:] for p, c in zip(prompts, cached)]
         c_max, n_max = max(cached), max(len(x) for x in new)
-
-        cache = DynamicCache(config=self.model.config)
-        # Room for the whole call up front: each decoding step writes its token in place instead of copying the
-        # layer's whole cache into a grown tensor (DynamicLayer's concatenation); the same values, bit for bit.
-        cache.layers = [ReservedCacheLayer(c_max + n_max + params.max_new_tokens, dtype=self._kv_dtype)
-                        for _ in cache.layers]
-        if c_max:
-            entry_kv = next(e.kv for e, _ in matches if e is not None)
-            layers, _, heads, _, head_dim = entry_kv.shape
-            past = torch.zeros(layers, 2, batch, heads, c_max, head_dim, dtype=entry_kv.dtype, device=device)
-            for row, (entry, c) in enumerate(matches):
-                if c:
-                    past[:, :, row, :, c_max - c:] = entry.kv[:, :, :, :c]
-            for layer in range(layers):
-                cache.update(past[layer, 0], past[layer, 1], layer)
-            del past, entry_kv
+        capacity = c_max + n_max + params.max_new_tokens
+        groups = prefill_groups([len(x) for x in new], cached, self._attention_per_position)
+        if len(groups) == 1:
+            # Room for the whole call up front: each decoding step writes its token in place instead of copying
+            # the layer's whole cache into a grown tensor (DynamicLayer's concatenation); the same values, bit for
+            # bit.
+            cache, logits = self._prefill(new, matches, list(range(batch)), capacity)
+        else:
+            # Rows of very different lengths: each group is prefilled in its own pass (less padding), then its
+            # rows' keys/values are placed in the decoding cache's layout.
+            cache = DynamicCache(config=self.model.config)
+            cache.layers = [ReservedCacheLayer(capacity, dtype=self._kv_dtype) for _ in cache.layers]
+            logits = None
+            for rows in groups:
+                part, part_logits = self._prefill(new, matches, rows, 0)
+                if logits is None:
+                    logits = part_logits.new_empty(batch, *part_logits.shape[1:])
+                logits[rows] = part_logits
+                c_part, n_part = max(cached[i] for i in rows), max(len(new[i]) for i in rows)
+                for layer, source in zip(cache.layers, part.layers):
+                    layer.place(source, rows, [cached[i] for i in rows], [len(new[i]) for i in rows],
+                                (c_part, n_part), (c_max, n_max), batch)
+                del part
         matches.clear()  # drop this chunk's references to the old entries
-
-        input_ids = torch.tensor([[pad] * (n_max - len(x)) + x for x in new], device=device)
         mask = torch.tensor([[0] * (c_max - c) + [1] * c + [0] * (n_max - len(x)) + [1] * len(x)
                              for c, x in zip(cached, new)], device=device)
-        positions = torch.tensor([[0] * (n_max - len(x)) + list(range(c, c + len(x)))
-                                  for c, x in zip(cached, new)], device=device)
         next_position = torch.tensor([len(p) for p in prompts], device=device)
 
         sample = params.temperature > 0
@@ -302,12 +318,8 @@ class HFBackend:
         results: list[Generation | None] = [None] * batch
         active = list(range(batch))  # chunk rows still in the batch, in batch order
         budget = self.kv_store_max_tokens - sum(len(e.ids) for e in new_store)
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,
-                         use_cache=True, logits_to_keep=1)
         for step in range(params.max_new_tokens):
             raise_if_interrupted(start_count, "hf")
-            logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
-            del out
             scores = warpers(None, logits)
             if sample:
                 sampled = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
@@ -344,11 +356,45 @@ class HFBackend:
                 mask, next_position, sampled = mask[index], next_position[index], sampled[index]
                 active = [active[b] for b in keep]
             mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
-            out = self.model(  # noqa: F841 (read at the top of the next iteration; ruff misses it after `del`)
-                input_ids=sampled[:, None], attention_mask=mask, position_ids=next_position[:, None],
-                cache=cache, use_cache=True, logits_to_keep=1)
+            out = self.model(input_ids=sampled[:, None], attention_mask=mask, position_ids=next_position[:, None],
+                             cache=cache, use_cache=True, logits_to_keep=1)
+            logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
+            del out
             next_position = next_position + 1
         return results
+
+    def _prefill(self, new: list[list[int]], matches: list[tuple[_KVEntry | None, int]], rows: list[int],
+                 capacity: int) -> tuple[DynamicCache, torch.Tensor]:
+        """One forward pass over `rows`' uncached tokens after their reused keys/values. Row i (c cached, n new
+        tokens) is laid out as [pad x (C-c)] [cached] [pad x (N-n)] [new] (C, N: the rows' largest); pads are
+        masked, and position ids count only real tokens, so each row sees exactly its own sequence. Returns the
+        cache (room for `capacity` positions) and each row's float32 logits of its next token."""
+        device, pad = self.device, self.tokenizer.pad_token_id
+        cached = [matches[i][1] for i in rows]
+        part = [new[i] for i in rows]
+        c_max, n_max = max(cached), max(len(x) for x in part)
+        cache = DynamicCache(config=self.model.config)
+        cache.layers = [ReservedCacheLayer(max(capacity, c_max + n_max), dtype=self._kv_dtype)
+                        for _ in cache.layers]
+        if c_max:
+            entry_kv = next(matches[i][0].kv for i in rows if matches[i][0] is not None)
+            layers, _, heads, _, head_dim = entry_kv.shape
+            past = torch.zeros(layers, 2, len(rows), heads, c_max, head_dim, dtype=entry_kv.dtype, device=device)
+            for b, i in enumerate(rows):
+                entry, c = matches[i]
+                if c:
+                    past[:, :, b, :, c_max - c:] = entry.kv[:, :, :, :c]
+            for layer in range(layers):
+                cache.update(past[layer, 0], past[layer, 1], layer)
+            del past, entry_kv
+        input_ids = torch.tensor([[pad] * (n_max - len(x)) + x for x in part], device=device)
+        mask = torch.tensor([[0] * (c_max - c) + [1] * c + [0] * (n_max - len(x)) + [1] * len(x)
+                             for c, x in zip(cached, part)], device=device)
+        positions = torch.tensor([[0] * (n_max - len(x)) + list(range(c, c + len(x)))
+                                  for c, x in zip(cached, part)], device=device)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,
+                         use_cache=True, logits_to_keep=1)
+        return cache, out.logits[:, -1].to(copy=True, dtype=torch.float32)
 
     @staticmethod
     def _extract_row(cache: DynamicCache, b: int, cached_at: int, n_cached: int, new_at: int,
@@ -437,6 +483,30 @@ class ReservedCacheLayer(DynamicLayer):
         self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
         return self.keys, self.values
 
+    def place(self, source: ReservedCacheLayer, rows: list[int], cached: list[int], new: list[int],
+              source_layout: tuple[int, int], layout: tuple[int, int], batch: int) -> None:
+        """Copy the rows of `source` (a group's prefill: row j holds cached[j] reused and new[j] new positions,
+        laid out for its group's largest (C, N) = `source_layout`) to batch rows `rows` of this layer, laid out
+        for `layout` (the chunk's largest), among `batch` rows. Pads are zeroed (masked, but must be finite);
+        the filled part is then C + N positions long."""
+        (c_src, n_src), (c_dst, n_dst) = source_layout, layout
+        width = c_dst + n_dst
+        if self._keys is None:
+            self.lazy_initialization(source.keys, source.values)
+            _, heads, _, dim = source.keys.shape
+            shape = (batch, heads, max(self.capacity, width), dim)
+            dtype = self.dtype or source.keys.dtype
+            self._keys = source.keys.new_empty(shape, dtype=dtype)
+            self._values = source.values.new_empty(shape, dtype=dtype)
+        for j, (b, c, n) in enumerate(zip(rows, cached, new)):
+            for dst, src in ((self._keys, source.keys), (self._values, source.values)):
+                dst[b, :, :c_dst - c] = 0
+                dst[b, :, c_dst - c:c_dst] = src[j, :, c_src - c:c_src]
+                dst[b, :, c_dst:width - n] = 0
+                dst[b, :, width - n:width] = src[j, :, c_src + n_src - n:c_src + n_src]
+        self.length = width
+        self.keys, self.values = self._keys[..., :width, :], self._values[..., :width, :]
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self._keys is not None:
             self._keys, self._values = self._keys[indices], self._values[indices]
@@ -446,16 +516,74 @@ class ReservedCacheLayer(DynamicLayer):
         raise NotImplementedError("the hf backend never crops its decoding cache")
 
 
+def prefill_groups(new: list[int], cached: list[int], attention_per_position: float,
+                   pass_tokens: float | None = None) -> list[list[int]]:
+    """Split a chunk's rows (`new[i]` uncached tokens after `cached[i]` reused ones) into prefill passes.
+
+    One pass over rows of different lengths pads each row to the longest: it computes len(rows) x N tokens, each
+    attending over C + N positions (C, N: the rows' largest cached and new counts). In token units a pass costs
+    len(rows) x N x (1 + `attention_per_position` x (C + N)) plus `pass_tokens` (a pass's fixed cost: weights read
+    once, the framework's per-layer work, small matmuls). Rows sorted by new length, the contiguous split of least
+    total cost is found exactly (dynamic programming over the split points); a chunk of even rows stays one pass.
+    """
+    pass_tokens = PREFILL_PASS_TOKENS if pass_tokens is None else pass_tokens
+    order = sorted(range(len(new)), key=lambda i: (new[i], cached[i]))
+    best = [0.0] + [math.inf] * len(order)   # best[k]: least cost of the first k rows (in `order`)
+    cut = [0] * (len(order) + 1)
+    for k in range(1, len(order) + 1):
+        c_max = 0
+        for start in range(k - 1, -1, -1):   # the last pass holds order[start:k]
+            c_max = max(c_max, cached[order[start]])
+            n_max = new[order[k - 1]]
+            cost = best[start] + (k - start) * n_max * (1 + attention_per_position * (c_max + n_max)) + pass_tokens
+            if cost < best[k]:
+                best[k], cut[k] = cost, start
+    groups, k = [], len(order)
+    while k:
+        groups.append(sorted(order[cut[k]:k]))
+        k = cut[k]
+    return groups[::-1]
+
+
+def attention_per_position(model: torch.nn.Module) -> float:
+    """A query token's attention FLOPs per attended position (scores and weighted values: 4 x heads x head dim
+    per layer) as a share of its matmul FLOPs (2 per Linear weight): what each padded position adds to a token."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    linear = 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim / max(1, linear)
+
+
+def _sdpa_grouped(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' SDPA attention, except that a prefill (query longer than one token) of a grouped-query model
+    on CPU attends with `enable_gqa` instead of first copying each key/value head once per query head it serves
+    (transformers does that copy whenever there is a mask, which our padded batches always have). The same
+    output bit for bit; a prefill over a 1,000-token cache took 0.57x the time (see docs/performance.md).
+    Decoding steps (one query token) go to transformers unchanged: it already attends there without the copy."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if (query.shape[2] == 1 or groups == 1 or query.device.type != "cpu" or attention_mask is None
+            or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
+            or kwargs.get("output_attentions")):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                           dropout_p=dropout, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _sdpa_in_float32(module, query, key, value, attention_mask, **kwargs):
-    """transformers' SDPA attention computed in float32 and returned in the query's dtype (keys/values already
-    float32, as ReservedCacheLayer keeps them for half-precision weights on CPU, are not copied)."""
-    out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+    """`_sdpa_grouped` computed in float32 and returned in the query's dtype (keys/values already float32, as
+    ReservedCacheLayer keeps them for half-precision weights on CPU, are not copied)."""
+    out, weights = _sdpa_grouped(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
     return out.to(query.dtype), weights
 
 
+GROUPED_SDPA = "rsiflow_sdpa_grouped"
 FLOAT32_SDPA = "rsiflow_sdpa_float32"
+AttentionInterface.register(GROUPED_SDPA, _sdpa_grouped)
 AttentionInterface.register(FLOAT32_SDPA, _sdpa_in_float32)
 # The masks SDPA gets (padding, cached rows): transformers builds none for an attention name it has no mask for.
+AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
 AttentionMaskInterface.register(FLOAT32_SDPA, sdpa_mask)
 
 

@@ -24,6 +24,19 @@ def test_bench_engine_prints_its_ratios():
     # the roofline of the same run: a positive limit, and the engine's share of it below 1
     fraction = re.search(r"hf       : \d+ processed tok/s .* = ([0-9.]+) of the limit", out.stdout)
     assert fraction and 0 < float(fraction.group(1)) < 1, out.stdout
+    # prefill and decoding apart, each against its own roof; the engine samples each row's first token from its
+    # prefill's logits and every other one in a decoding step
+    split = re.search(r"prefill  : (\d+) tokens .* = ([0-9.]+) of the matmul limit", out.stdout)
+    decode = re.search(r"decode   : (\d+) tokens in (\d+) steps .* = ([0-9.]+) of the limit", out.stdout)
+    sampled = re.search(r"engine   : (\d+) sampled tokens", out.stdout)
+    rows = re.search(r"calls    : (\d+) rows", out.stdout)
+    assert split and decode and sampled and rows, out.stdout
+    # every episode's prompt tokens, shared prefixes once (the per-episode figure is rounded)
+    assert int(split.group(1)) >= (int(prefill.group(1)) - 1) * 2
+    assert int(decode.group(1)) == int(sampled.group(1)) - int(rows.group(1))
+    # the tiny model's prefill can pass its "limit": its probe matmul (the MLP's shape, hidden 64) runs far
+    # slower than its lm_head's; a real model's MLP is its bulk (bench/results/engine/)
+    assert float(split.group(2)) > 0 and 0 < float(decode.group(3)) < 1
 
 
 def test_a_bf16_sampler_prints_its_mismatch_against_a_float32_trainer():

@@ -26,3 +26,49 @@ def test_bench_train_prints_its_fraction_of_the_limit():
     fraction = re.search(r"fraction : ([0-9.]+) of the limit", out.stdout)
     assert steps and int(steps.group(1)) > 0 and int(steps.group(2)) == 2
     assert fraction and 0 < float(fraction.group(1)) < 1, out.stdout
+
+
+class _Config:
+    num_hidden_layers, num_attention_heads, num_key_value_heads, hidden_size = 2, 4, 2, 16
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = _Config()
+        self.proj = torch.nn.Linear(16, 16, bias=False)  # 256 float32 weights = 1,024 bytes
+
+
+def test_decode_step_bytes_count_the_weights_once_and_each_rows_keys_and_values():
+    model = _Model()
+    per_position = 2 * 2 * 2 * 4 * 4   # keys and values x layers x kv heads x head dim (16 / 4) x float32 bytes
+    assert roofline.kv_bytes_per_position(model) == per_position
+    assert roofline.kv_bytes_per_position(model, torch.bfloat16) == per_position // 2
+    assert roofline.decode_step_bytes(model, rows=3, context=10) == 1024 + 3 * 10 * per_position
+
+
+def test_a_decode_step_is_bound_by_the_slower_of_its_two_roofs():
+    model = _Model()
+    flops_bound = roofline.decode_step_limit(model, 2, 1, flops=1.0, bandwidth=1e12)
+    assert flops_bound == 2 * roofline.flops_per_token(model)          # compute roof: 2 rows x 512 FLOPs
+    bytes_bound = roofline.decode_step_limit(model, 2, 1, flops=1e12, bandwidth=1.0)
+    assert bytes_bound == roofline.decode_step_bytes(model, 2, 1)      # memory roof
+
+
+def test_read_bandwidth_is_a_positive_rate():
+    assert roofline.read_bandwidth("cpu", gib=1 / 64, seconds=0.05) > 0
+
+
+def test_the_engine_bench_splits_prefill_from_decoding():
+    from bench.engine import split_report
+
+    model = _Model()
+    passes = [{"rows": 2, "query": 5, "real": 8, "width": 5, "seconds": 1.0},    # a padded prefill
+              {"rows": 2, "query": 1, "real": 2, "width": 6, "seconds": 0.5},    # two decoding steps
+              {"rows": 1, "query": 1, "real": 1, "width": 7, "seconds": 0.25}]
+    s = split_report(passes, model, generate_seconds=2.0, flops=1e9, bandwidth=1e9, kv_dtype=torch.float32)
+    assert (s["prefill_tokens"], s["prefill_fed"], s["prefill_passes"]) == (8, 10, 1)
+    assert (s["decode_tokens"], s["decode_steps"]) == (3, 2)
+    assert s["outside_seconds"] == 0.25 and s["decode_rows"] == 1.5 and s["decode_context"] == 6.5
+    least = roofline.decode_step_limit(model, 2, 6, 1e9, 1e9) + roofline.decode_step_limit(model, 1, 7, 1e9, 1e9)
+    assert s["decode_of_limit"] == least / 0.75

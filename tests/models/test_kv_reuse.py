@@ -223,3 +223,62 @@ def test_a_step_reopening_the_backend_starts_with_an_empty_kv_store(tiny_path):
         assert again is first and again.kv_store_tokens == 0
     finally:
         clear_backends()
+
+
+@pytest.mark.parametrize("pass_tokens", [0, 1e9])
+def test_rows_prefilled_in_groups_generate_what_one_pass_does(plain, reusing, monkeypatch, pass_tokens):
+    """pass_tokens 0: every row of a different length gets its own prefill pass, its keys/values then placed in
+    the decoding cache's layout; 1e9: one pass a chunk, as before grouping. Both must match the plain path."""
+    from rsiflow.models import hf_backend
+
+    monkeypatch.setattr(hf_backend, "PREFILL_PASS_TOKENS", pass_tokens)
+    passes = []
+    prefill = reusing._prefill
+    monkeypatch.setattr(reusing, "_prefill", lambda *a: passes.append(len(a[2])) or prefill(*a))
+    monkeypatch.setattr(reusing, "max_batch_size", 6)
+    conversations = [_start(i) for i in range(6)]
+    split = False
+    for turn in range(3):
+        passes.clear()
+        got = reusing.generate(conversations, GREEDY)
+        _assert_same(plain.generate(conversations, GREEDY), got)
+        assert sum(passes) == 6   # every row prefilled once (one chunk of 6)
+        split |= len(passes) > 1
+        if pass_tokens:
+            assert len(passes) == 1
+        conversations = _next_turn(conversations, got, turn)
+    assert split == (pass_tokens == 0)
+
+
+def test_prefill_groups_split_only_where_padding_costs_more_than_a_pass():
+    from rsiflow.models.hf_backend import prefill_groups
+
+    assert prefill_groups([100, 101, 99, 100], [0, 0, 0, 0], 0.0, pass_tokens=32) == [[0, 1, 2, 3]]
+    assert prefill_groups([10, 500, 12, 490], [0, 0, 0, 0], 0.0, pass_tokens=32) == [[0, 2], [1, 3]]
+    # attention over padded cached positions counts too: equal new lengths, very different cached ones
+    assert prefill_groups([50, 50], [0, 4000], 0.0, pass_tokens=32) == [[0, 1]]
+    assert prefill_groups([50, 50], [0, 4000], 1e-3, pass_tokens=32) == [[0], [1]]
+
+
+def test_prefill_groups_find_the_cheapest_contiguous_split():
+    import itertools
+    import random
+
+    from rsiflow.models.hf_backend import prefill_groups
+
+    def cost(groups, new, cached, a, t):
+        return sum(len(g) * max(new[i] for i in g) * (1 + a * (max(cached[i] for i in g) + max(new[i] for i in g)))
+                   + t for g in groups)
+
+    rng = random.Random(0)
+    for _ in range(30):
+        n = rng.randint(1, 7)
+        new = [rng.randint(1, 400) for _ in range(n)]
+        cached = [rng.choice([0, rng.randint(1, 2000)]) for _ in range(n)]
+        a, t = rng.choice([0.0, 2.6e-4, 1e-3]), rng.choice([0, 32, 200])
+        order = sorted(range(n), key=lambda i: (new[i], cached[i]))
+        brute = min(cost([order[i:j] for i, j in zip((0,) + cuts, cuts + (n,))], new, cached, a, t)
+                    for k in range(n) for cuts in itertools.combinations(range(1, n), k))
+        got = prefill_groups(new, cached, a, pass_tokens=t)
+        assert sorted(i for g in got for i in g) == list(range(n))
+        assert cost(got, new, cached, a, t) == pytest.approx(brute)

@@ -56,12 +56,12 @@ def test_decoding_with_the_reserved_cache_gives_the_same_logits(tiny_path):
 
 def test_half_precision_weights_on_cpu_attend_in_float32_over_a_float32_cache(tiny_path):
     from rsiflow.models.backend import SamplingParams
-    from rsiflow.models.hf_backend import FLOAT32_SDPA, HFBackend
+    from rsiflow.models.hf_backend import FLOAT32_SDPA, GROUPED_SDPA, HFBackend
 
     conversations = [[{"role": "user", "content": f"Room {i}: a corridor, a door. Your action:"}] for i in range(3)]
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
     full = HFBackend(tiny_path, kv_reuse=True)
-    assert full.model.config._attn_implementation == "sdpa" and full._kv_dtype is None
+    assert full.model.config._attn_implementation == GROUPED_SDPA and full._kv_dtype is None
     half = HFBackend(tiny_path, dtype="bfloat16", kv_reuse=True)
     assert next(half.model.parameters()).dtype == torch.bfloat16
     assert half.model.config._attn_implementation == FLOAT32_SDPA
@@ -84,6 +84,28 @@ def test_float32_attention_is_sdpa_on_the_upcast_inputs():
     got, _ = _sdpa_in_float32(module, q, k, v, None, scaling=0.3)
     want, _ = sdpa_attention_forward(module, q.float(), k, v, None, scaling=0.3)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
+
+
+def test_grouped_prefill_attention_is_transformers_sdpa_bit_for_bit():
+    # A masked prefill of a grouped-query model: transformers copies each key/value head per query head it
+    # serves; `enable_gqa` attends without the copy and must give the same output, bit for bit.
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from rsiflow.models.hf_backend import _sdpa_grouped
+
+    g = torch.Generator().manual_seed(0)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    for queries, cached in ((7, 0), (5, 40), (1, 40)):   # a fresh prefill, one after cached keys, a decoding step
+        length = queries + cached
+        q = torch.randn(3, 6, queries, 8, generator=g)
+        k, v = torch.randn(3, 2, length, 8, generator=g), torch.randn(3, 2, length, 8, generator=g)
+        mask = torch.ones(queries, length, dtype=torch.bool).tril(diagonal=cached)[None, None].repeat(3, 1, 1, 1)
+        mask[1, :, :, :cached // 2] = False   # a padded row
+        got, _ = _sdpa_grouped(module, q, k, v, mask, scaling=0.3)
+        want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
+        assert got.shape == want.shape == (3, queries, 6, 8) and torch.equal(got, want)
 
 
 def test_half_precision_cached_turns_score_like_a_plain_forward(tiny_path):
