@@ -377,16 +377,8 @@ class HFBackend:
         cache.layers = [ReservedCacheLayer(max(capacity, c_max + n_max), dtype=self._kv_dtype)
                         for _ in cache.layers]
         if c_max:
-            entry_kv = next(matches[i][0].kv for i in rows if matches[i][0] is not None)
-            layers, _, heads, _, head_dim = entry_kv.shape
-            past = torch.zeros(layers, 2, len(rows), heads, c_max, head_dim, dtype=entry_kv.dtype, device=device)
-            for b, i in enumerate(rows):
-                entry, c = matches[i]
-                if c:
-                    past[:, :, b, :, c_max - c:] = entry.kv[:, :, :, :c]
-            for layer in range(layers):
-                cache.update(past[layer, 0], past[layer, 1], layer)
-            del past, entry_kv
+            for index, layer in enumerate(cache.layers):
+                layer.preload([matches[i][0].kv[index, :, :, :c] if c else None for i, c in zip(rows, cached)], c_max)
         input_ids = torch.tensor([[pad] * (n_max - len(x)) + x for x in part], device=device)
         mask = torch.tensor([[0] * (c_max - c) + [1] * c + [0] * (n_max - len(x)) + [1] * len(x)
                              for c, x in zip(cached, part)], device=device)
@@ -482,6 +474,25 @@ class ReservedCacheLayer(DynamicLayer):
         self.length = end
         self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
         return self.keys, self.values
+
+    def preload(self, rows: list[torch.Tensor | None], width: int) -> None:
+        """Fill an empty layer with one batch row per entry of `rows` (keys and values of c cached positions,
+        (2, heads, c, dim); None for c = 0), right-aligned in `width` positions after zeroed pads (masked, but
+        they must be finite), written straight into the buffer."""
+        template = next(kv for kv in rows if kv is not None)
+        _, heads, _, dim = template.shape
+        self.lazy_initialization(template[:1], template[1:])
+        dtype = self.dtype or template.dtype
+        shape = (len(rows), heads, max(self.capacity, width), dim)
+        self._keys, self._values = template.new_empty(shape, dtype=dtype), template.new_empty(shape, dtype=dtype)
+        for b, kv in enumerate(rows):
+            c = 0 if kv is None else kv.shape[2]
+            for j, dst in enumerate((self._keys, self._values)):
+                dst[b, :, :width - c] = 0
+                if c:
+                    dst[b, :, width - c:width] = kv[j]
+        self.length = width
+        self.keys, self.values = self._keys[..., :width, :], self._values[..., :width, :]
 
     def place(self, source: ReservedCacheLayer, rows: list[int], cached: list[int], new: list[int],
               source_layout: tuple[int, int], layout: tuple[int, int], batch: int) -> None:

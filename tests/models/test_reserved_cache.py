@@ -34,6 +34,34 @@ def test_updates_rows_dropped_and_overflow_match_a_dynamic_layer():
     _assert_same(plain, reserved)
 
 
+def test_preloaded_and_placed_rows_are_the_padded_layout_a_dynamic_layer_gets():
+    # preload: cached rows right-aligned after zeroed pads; place: a group's prefill moved into a wider layout
+    g = torch.Generator().manual_seed(3)
+    cached = [5, 0, 2]
+    rows = [torch.randn(2, 3, c, 8, generator=g) if c else None for c in cached]
+    padded = torch.zeros(2, 3, 3, 5, 8)
+    for b, (kv, c) in enumerate(zip(rows, cached)):
+        if c:
+            padded[:, b, :, 5 - c:] = kv
+    plain, reserved = DynamicLayer(), ReservedCacheLayer(capacity=9)
+    plain.update(padded[0], padded[1])
+    reserved.preload(rows, width=5)
+    _assert_same(plain, reserved)
+    k, v = _kv(3, 2, seed=4)  # the new tokens then go in place after them
+    assert all(torch.equal(a, b) for a, b in zip(reserved.update(k, v), plain.update(k, v)))
+
+    # the group's rows 0 and 1 (laid out for 5 cached, 2 new) become rows 2 and 0 of a wider chunk (7 cached and 3
+    # new at most)
+    wide = ReservedCacheLayer(capacity=12)
+    wide.place(reserved, rows=[2, 0], cached=[5, 0], new=[2, 1], source_layout=(5, 2), layout=(7, 3), batch=3)
+    assert wide.get_seq_length() == 10 and wide._keys.shape == (3, 3, 12, 8)
+    for row, j, c, n in ((2, 0, 5, 2), (0, 1, 0, 1)):
+        for got, src in ((wide.keys, reserved.keys), (wide.values, reserved.values)):
+            assert torch.equal(got[row, :, 7 - c:7], src[j, :, 5 - c:5])       # cached, right-aligned
+            assert torch.equal(got[row, :, 10 - n:10], src[j, :, 7 - n:7])     # new tokens at the end
+            assert not got[row, :, :7 - c].any() and not got[row, :, 7:10 - n].any()   # pads zeroed
+
+
 def test_decoding_with_the_reserved_cache_gives_the_same_logits(tiny_path):
     from transformers import AutoModelForCausalLM, DynamicCache
 
