@@ -393,11 +393,12 @@ class HFBackend:
                      ids: list[int]) -> _KVEntry:
         """Batch row b's keys/values without pads: [cached_at, cached_at + n_cached) then [new_at, end)."""
         end = new_at + len(ids) - n_cached
-        kv = torch.stack([
-            torch.stack([torch.cat([t[b, :, cached_at:cached_at + n_cached], t[b, :, new_at:end]], dim=1)
-                         for t in (layer.keys, layer.values)])
-            for layer in cache.layers
-        ])
+        first = cache.layers[0].keys
+        kv = first.new_empty(len(cache.layers), 2, first.shape[1], len(ids), first.shape[3])
+        for index, layer in enumerate(cache.layers):   # copied once, straight into the entry
+            for j, t in enumerate((layer.keys, layer.values)):
+                kv[index, j, :, :n_cached] = t[b, :, cached_at:cached_at + n_cached]
+                kv[index, j, :, n_cached:] = t[b, :, new_at:end]
         return _KVEntry(ids=np.asarray(ids, dtype=np.int64), kv=kv)
 
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, start_count: int) -> list[Generation]:
@@ -519,9 +520,21 @@ class ReservedCacheLayer(DynamicLayer):
         self.keys, self.values = self._keys[..., :width, :], self._values[..., :width, :]
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self._keys is not None:
+        """Keep only the rows `indices`. Rows kept in order (finished rows dropped while decoding) move down
+        inside the buffer, only those after the first dropped row, without a new allocation; other orders are
+        gathered into a new buffer."""
+        if self._keys is None:
+            return
+        keep = indices.tolist()
+        if all(a < b for a, b in zip(keep, keep[1:])):
+            for new_row, old_row in enumerate(keep):
+                if new_row != old_row:
+                    self._keys[new_row] = self._keys[old_row]
+                    self._values[new_row] = self._values[old_row]
+            self._keys, self._values = self._keys[:len(keep)], self._values[:len(keep)]
+        else:
             self._keys, self._values = self._keys[indices], self._values[indices]
-            self.keys, self.values = self._keys[..., :self.length, :], self._values[..., :self.length, :]
+        self.keys, self.values = self._keys[..., :self.length, :], self._values[..., :self.length, :]
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("the hf backend never crops its decoding cache")

@@ -18,9 +18,12 @@ def _assert_same(a, b):
 
 def test_updates_rows_dropped_and_overflow_match_a_dynamic_layer():
     plain, reserved = DynamicLayer(), ReservedCacheLayer(capacity=12)
-    for i, (batch, tokens) in enumerate([(4, 10), (4, 1), (3, 1), (3, 4), (3, 1)]):
-        if i == 2:  # a row finished: dropped from both
-            keep = torch.tensor([0, 2, 3])
+    # rows dropped: one in the middle (the later rows move down in place), the first (every row moves), then a
+    # reordering (gathered into a new buffer)
+    drops = {2: [0, 2, 3], 4: [1, 2], 5: [1, 0]}
+    for i, (batch, tokens) in enumerate([(4, 10), (4, 1), (3, 1), (3, 4), (2, 1), (2, 1)]):
+        if i in drops:
+            keep = torch.tensor(drops[i])
             plain.batch_select_indices(keep)
             reserved.batch_select_indices(keep)
             _assert_same(plain, reserved)
