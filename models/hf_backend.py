@@ -324,7 +324,15 @@ class HFBackend:
             raise_if_interrupted(start_count, "hf")
             scores = warpers(None, logits)
             if sample:
-                sampled = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+                # Drawn in the chunk's row order whatever order the batch holds its rows in (`fill_holes`), so a
+                # seeded call samples the same tokens as with the rows in order.
+                order = sorted(range(len(active)), key=active.__getitem__)
+                if order == list(range(len(active))):
+                    sampled = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+                else:
+                    index = torch.tensor(order, device=device)
+                    drawn = torch.multinomial(torch.softmax(scores[index], dim=-1), num_samples=1).squeeze(1)
+                    sampled = torch.empty_like(drawn).index_copy_(0, index, drawn)
             else:
                 sampled = torch.argmax(scores, dim=-1)
             sampled_logprobs = torch.log_softmax(scores, dim=-1).gather(1, sampled[:, None]).squeeze(1)
@@ -353,6 +361,7 @@ class HFBackend:
             if not keep:
                 break
             if len(keep) < len(active):
+                keep = fill_holes(keep)
                 index = torch.tensor(keep, device=device)
                 cache.batch_select_indices(index)
                 mask, next_position, sampled = mask[index], next_position[index], sampled[index]
@@ -522,13 +531,14 @@ class ReservedCacheLayer(DynamicLayer):
         self.keys, self.values = self._keys[..., :width, :], self._values[..., :width, :]
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep only the rows `indices`. Rows kept in order (finished rows dropped while decoding) move down
-        inside the buffer, only those after the first dropped row, without a new allocation; other orders are
-        gathered into a new buffer."""
+        """Keep only the rows `indices`. Where no row moves up (finished rows dropped in order, or the last rows
+        moved into their holes: `fill_holes`), rows move inside the buffer without a new allocation, only those
+        that change place; other selections are gathered into a new buffer."""
         if self._keys is None:
             return
         keep = indices.tolist()
-        if all(a < b for a, b in zip(keep, keep[1:])):
+        # moved in order of the new position: safe while every row is read before its own slot is overwritten
+        if len(set(keep)) == len(keep) and all(old >= new for new, old in enumerate(keep)):
             for new_row, old_row in enumerate(keep):
                 if new_row != old_row:
                     self._keys[new_row] = self._keys[old_row]
@@ -540,6 +550,17 @@ class ReservedCacheLayer(DynamicLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("the hf backend never crops its decoding cache")
+
+
+def fill_holes(keep: list[int]) -> list[int]:
+    """The rows of a batch to keep (ascending), reordered so that as few rows as possible move: a kept row stays
+    where it is unless it lies beyond the new batch size, and those rows fill the slots of the dropped ones. Rows
+    of a batch are computed independently, so their order changes nothing but which rows the cache must copy
+    (one per dropped row instead of every row after it)."""
+    n = len(keep)
+    movers = iter(b for b in keep if b >= n)
+    kept = set(keep)
+    return [p if p in kept else next(movers) for p in range(n)]
 
 
 def prefill_groups(new: list[int], cached: list[int], attention_per_position: float,

@@ -282,3 +282,32 @@ def test_prefill_groups_find_the_cheapest_contiguous_split():
         got = prefill_groups(new, cached, a, pass_tokens=t)
         assert sorted(i for g in got for i in g) == list(range(n))
         assert cost(got, new, cached, a, t) == pytest.approx(brute)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_dropping_finished_rows_by_filling_their_slots_changes_no_bit(reusing, monkeypatch, temperature):
+    """Finished rows leave the decoding batch by moving the last rows into their slots (fill_holes) instead of
+    shifting every later row; rows are computed independently and sampled in their original order, so greedy
+    and seeded outputs are the same, bit for bit, as with every row kept in order."""
+    from rsiflow.models import hf_backend
+
+    params = SamplingParams(max_new_tokens=12, temperature=temperature, seed=3, stop=("a",))  # rows end unevenly
+    conversations = [_start(i) for i in range(10)]
+    monkeypatch.setattr(reusing, "max_batch_size", 10)
+    reordered = []
+
+    def filling(keep):
+        order = hf_backend_fill(keep)
+        reordered.append(order != sorted(order))
+        return order
+
+    hf_backend_fill = hf_backend.fill_holes
+    runs = []
+    for fill in (lambda keep: keep, filling):
+        monkeypatch.setattr(hf_backend, "fill_holes", fill)
+        reusing.clear_kv_store()
+        runs.append(reusing.generate(conversations, params))
+    first, second = runs
+    assert any(reordered)   # some batch held its rows out of order
+    assert [g.token_ids for g in first] == [g.token_ids for g in second]
+    assert [g.logprobs for g in first] == [g.logprobs for g in second]

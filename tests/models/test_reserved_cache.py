@@ -18,9 +18,9 @@ def _assert_same(a, b):
 
 def test_updates_rows_dropped_and_overflow_match_a_dynamic_layer():
     plain, reserved = DynamicLayer(), ReservedCacheLayer(capacity=12)
-    # rows dropped: one in the middle (the later rows move down in place), the first (every row moves), then a
-    # reordering (gathered into a new buffer)
-    drops = {2: [0, 2, 3], 4: [1, 2], 5: [1, 0]}
+    # rows dropped: one in the middle, its slot filled by the last row (fill_holes: one row moves, in place), the
+    # first (the others move down in place), then a reordering (gathered into a new buffer)
+    drops = {2: [0, 3, 2], 4: [1, 2], 5: [1, 0]}
     for i, (batch, tokens) in enumerate([(4, 10), (4, 1), (3, 1), (3, 4), (2, 1), (2, 1)]):
         if i in drops:
             keep = torch.tensor(drops[i])
@@ -35,6 +35,14 @@ def test_updates_rows_dropped_and_overflow_match_a_dynamic_layer():
         if i == 3:  # 12 + 4 > 12: grown, with what it held copied
             assert reserved._keys.shape[-2] >= 16
     _assert_same(plain, reserved)
+
+
+def test_fill_holes_moves_only_rows_beyond_the_new_batch_size():
+    from rsiflow.models.hf_backend import fill_holes
+
+    assert fill_holes([0, 2, 3]) == [0, 3, 2]
+    assert fill_holes([0, 3, 5, 6]) == [0, 5, 6, 3]
+    assert fill_holes([0, 1, 2]) == [0, 1, 2] and fill_holes([5, 7, 9]) == [5, 7, 9] and fill_holes([]) == []
 
 
 def test_preloaded_and_placed_rows_are_the_padded_layout_a_dynamic_layer_gets():
