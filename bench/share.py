@@ -12,7 +12,9 @@ alone run's, measured in the same invocation. Policies (`run.threads`):
 - `cores`: every process takes every core (`run.threads` = the machine's cores: torch's own default);
 - a number: that many threads per process;
 - any of them with `+passive` (`cores+passive`): the processes also get OMP_WAIT_POLICY=PASSIVE, so an OpenMP
-  thread with no work sleeps at once instead of spinning on a core another process needs.
+  thread with no work sleeps at once instead of spinning on a core another process needs;
+- or with `+spin=N` (`auto+spin=10000`): GOMP_SPINCOUNT=N, how long (in spins) such a thread spins before it
+  sleeps (libgomp, the OpenMP runtime of torch's CPU wheel; its default 300,000 without a wait policy).
 
 The alone run uses `auto` (alone, that is every core); the base model is converted into the model cache
 before any run is timed. A second run alone on half the cores gives the floor of an even split (skip it with
@@ -36,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _run(configs: list[str], sets: list[str], name: str, folder: Path, threads: str,
-         passive: bool = False) -> subprocess.Popen:
+         omp: dict[str, str] | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "rsiflow.flows.cli", "run"]
     for c in configs:
         cmd += ["--config", c]
@@ -45,10 +47,9 @@ def _run(configs: list[str], sets: list[str], name: str, folder: Path, threads: 
         cmd += ["--set", s]
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false",
            "PREFECT_HOME": str(folder / f"prefect-{name}")}
-    env.pop("OMP_NUM_THREADS", None)  # the policy decides, not an inherited cap
-    env.pop("OMP_WAIT_POLICY", None)
-    if passive:
-        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    for key in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):  # the policy decides, not the caller
+        env.pop(key, None)
+    env.update(omp or {})
     log = open(folder / f"{name}.log", "w")  # noqa: SIM115 (closed with the process below)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     proc.log = log
@@ -56,10 +57,10 @@ def _run(configs: list[str], sets: list[str], name: str, folder: Path, threads: 
 
 
 def timed(configs: list[str], sets: list[str], names: list[str], folder: Path, threads: str,
-          passive: bool = False) -> list[float]:
+          omp: dict[str, str] | None = None) -> list[float]:
     """Start one `rsiflow run` per name at once; each one's wall seconds (an error names its log)."""
     t0 = time.perf_counter()
-    procs = [_run(configs, sets, n, folder, threads, passive) for n in names]
+    procs = [_run(configs, sets, n, folder, threads, omp) for n in names]
     walls: list[float | None] = [None] * len(procs)
     while None in walls:  # each process's own end, whichever ends first
         for i, p in enumerate(procs):
@@ -77,10 +78,19 @@ def timed(configs: list[str], sets: list[str], names: list[str], folder: Path, t
     return walls
 
 
-def _policy(policy: str, cores: int) -> tuple[str, bool]:
-    """`run.threads` and whether OMP_WAIT_POLICY=PASSIVE, for a policy name ('auto', 'cores', '2', '...+passive')."""
-    base = policy.removesuffix("+passive")
-    return (str(cores) if base == "cores" else base), policy.endswith("+passive")
+def _policy(policy: str, cores: int) -> tuple[str, dict[str, str]]:
+    """`run.threads` and the OpenMP environment for a policy name ('auto', 'cores', '2', '...+passive',
+    '...+spin=N')."""
+    base, *options = policy.split("+")
+    omp = {}
+    for option in options:
+        if option == "passive":
+            omp["OMP_WAIT_POLICY"] = "PASSIVE"
+        elif option.startswith("spin=") and option[5:].isdigit():
+            omp["GOMP_SPINCOUNT"] = option[5:]
+        else:
+            raise SystemExit(f"bench.share: unknown policy option {option!r} in {policy!r} (passive, spin=N)")
+    return (str(cores) if base == "cores" else base), omp
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         result["alone_s"] = round(alone, 1)
         print(f"{cores} cores; one round alone: {alone:.1f} s", flush=True)
         for policy in args.alone:  # other policies alone, against the baseline
-            base, passive = _policy(policy, cores)
-            wall = timed(args.config, args.set, [f"alone-{policy.replace('+', '-')}"], folder, base, passive)[0]
+            base, omp = _policy(policy, cores)
+            tag = policy.replace("+", "-").replace("=", "")
+            wall = timed(args.config, args.set, [f"alone-{tag}"], folder, base, omp)[0]
             result.setdefault("alone_other", {})[policy] = {"wall_s": round(wall, 1),
                                                             "of_alone": round(wall / alone, 2)}
             print(f"one round alone, {policy}: {wall:.1f} s = {wall / alone:.2f}x of alone", flush=True)
@@ -125,15 +136,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"one round alone on {share_of} thread(s) (an even split's floor): {floor:.1f} s = "
                   f"{floor / alone:.2f}x of alone", flush=True)
         for policy in policies:
-            threads, passive = _policy(policy, cores)
-            tag = policy.replace("+", "-")
-            walls = timed(args.config, args.set, [f"{tag}-a", f"{tag}-b"], folder, threads, passive)
+            threads, omp = _policy(policy, cores)
+            tag = policy.replace("+", "-").replace("=", "")
+            walls = timed(args.config, args.set, [f"{tag}-a", f"{tag}-b"], folder, threads, omp)
             ratios = [w / alone for w in walls]
-            result["pairs"][policy] = {"threads": threads, "omp_wait_policy": "PASSIVE" if passive else None,
+            result["pairs"][policy] = {"threads": threads, "omp_wait_policy": omp.get("OMP_WAIT_POLICY"),
+                                       "gomp_spincount": omp.get("GOMP_SPINCOUNT"),
                                        "wall_s": [round(w, 1) for w in walls],
                                        "slowdown": [round(r, 2) for r in ratios]}
             floor = result.get("alone_share_s", {}).get("wall_s")
-            wait = " OMP_WAIT_POLICY=PASSIVE" if passive else ""
+            wait = "".join(f" {k}={v}" for k, v in omp.items())
             print(f"two at once, run.threads={threads}{wait} ({policy}): {walls[0]:.1f} s and {walls[1]:.1f} s = "
                   f"{ratios[0]:.2f}x and {ratios[1]:.2f}x of alone"
                   + (f", {max(walls) / floor:.2f}x of the floor (the slower one)" if floor else ""), flush=True)

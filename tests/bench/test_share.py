@@ -27,3 +27,13 @@ def test_a_failing_run_names_its_log(tmp_path, model_cache):
     with pytest.raises(SystemExit, match=r"run alone failed .*alone\.log"):
         main(["--config", TINY, "--set", f"run.model_cache={model_cache}", "--set", "env.name=nosuchpackage.mod:Env",
               "--policy", "auto"])
+
+
+def test_policy_options_set_the_openmp_environment():
+    from bench.share import _policy
+
+    assert _policy("auto", 2) == ("auto", {})
+    assert _policy("cores+passive", 2) == ("2", {"OMP_WAIT_POLICY": "PASSIVE"})
+    assert _policy("1+spin=10000", 2) == ("1", {"GOMP_SPINCOUNT": "10000"})
+    with pytest.raises(SystemExit, match="unknown policy option 'spin=x'"):
+        _policy("auto+spin=x", 2)
