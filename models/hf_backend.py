@@ -291,27 +291,41 @@ class HFBackend:
             # Room for the whole call up front: each decoding step writes its token in place instead of copying
             # the layer's whole cache into a grown tensor (DynamicLayer's concatenation); the same values, bit for
             # bit.
-            cache, logits = self._prefill(new, matches, list(range(batch)), capacity)
+            order = list(range(batch))
+            cache, logits = self._prefill(new, matches, order, capacity)
         else:
-            # Rows of very different lengths: each group is prefilled in its own pass (less padding), then its
-            # rows' keys/values are placed in the decoding cache's layout.
+            # Rows of very different lengths: each group gets its own prefill pass (less padding), over a window
+            # of the decoding cache holding its rows (batch rows in group order) and positions from its longest
+            # cached prefix to the end of the chunk's layout; the positions between its longest new segment and
+            # the chunk's are masked pads of that pass.
+            order = [i for rows in groups for i in rows]   # batch row -> chunk row
             cache = DynamicCache(config=self.model.config)
             cache.layers = [ReservedCacheLayer(capacity, dtype=self._kv_dtype) for _ in cache.layers]
-            logits = None
+            cfg = self.model.config
+            heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            for layer in cache.layers:
+                layer.allocate(batch, heads, head_dim, self.model.dtype, device)
+            logits, start = None, 0
             for rows in groups:
-                part, part_logits = self._prefill(new, matches, rows, 0)
+                stop = start + len(rows)
+                c_part, n_part = max(cached[i] for i in rows), max(len(new[i]) for i in rows)
+                windows = []
+                for layer in cache.layers:
+                    layer._keys[start:stop, :, :c_max - c_part] = 0   # pads before the window
+                    layer._values[start:stop, :, :c_max - c_part] = 0
+                    windows.append(layer.window(slice(start, stop), c_max - c_part, c_max + n_max))
+                _, part_logits = self._prefill(new, matches, rows, 0, into=windows, gap=n_max - n_part)
                 if logits is None:
                     logits = part_logits.new_empty(batch, *part_logits.shape[1:])
-                logits[rows] = part_logits
-                c_part, n_part = max(cached[i] for i in rows), max(len(new[i]) for i in rows)
-                for layer, source in zip(cache.layers, part.layers):
-                    layer.place(source, rows, [cached[i] for i in rows], [len(new[i]) for i in rows],
-                                (c_part, n_part), (c_max, n_max), batch)
-                del part
+                logits[start:stop] = part_logits
+                start = stop
+            for layer in cache.layers:
+                layer.fill(c_max + n_max)
         matches.clear()  # drop this chunk's references to the old entries
-        mask = torch.tensor([[0] * (c_max - c) + [1] * c + [0] * (n_max - len(x)) + [1] * len(x)
-                             for c, x in zip(cached, new)], device=device)
-        next_position = torch.tensor([len(p) for p in prompts], device=device)
+        mask = torch.tensor([[0] * (c_max - cached[i]) + [1] * cached[i] + [0] * (n_max - len(new[i]))
+                             + [1] * len(new[i]) for i in order], device=device)
+        next_position = torch.tensor([len(prompts[i]) for i in order], device=device)
 
         sample = params.temperature > 0
         warpers = _warpers(params)
@@ -321,21 +335,21 @@ class HFBackend:
         temp_logprobs: list[list[float]] = [[] for _ in range(batch)]
         temperature_only = _warpers(params, top_p=False)
         results: list[Generation | None] = [None] * batch
-        active = list(range(batch))  # chunk rows still in the batch, in batch order
+        active = order  # chunk rows still in the batch, in batch order
         budget = self.kv_store_max_tokens - sum(len(e.ids) for e in new_store)
         for step in range(params.max_new_tokens):
             raise_if_interrupted(start_count, "hf")
             scores = warpers(None, logits)
             if sample:
-                # Drawn in the chunk's row order whatever order the batch holds its rows in (`fill_holes`), so a
-                # seeded call samples the same tokens as with the rows in order.
-                order = sorted(range(len(active)), key=active.__getitem__)
-                if order == list(range(len(active))):
+                # Drawn in the chunk's row order whatever order the batch holds its rows in (prefill groups,
+                # `fill_holes`), so a seeded call samples the same tokens as with the rows in order.
+                draw_order = sorted(range(len(active)), key=active.__getitem__)
+                if draw_order == list(range(len(active))):
                     sampled = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
                 else:
-                    index = torch.tensor(order, device=device)
-                    drawn = torch.multinomial(torch.softmax(scores[index], dim=-1), num_samples=1).squeeze(1)
-                    sampled = torch.empty_like(drawn).index_copy_(0, index, drawn)
+                    draw = torch.tensor(draw_order, device=device)
+                    drawn = torch.multinomial(torch.softmax(scores[draw], dim=-1), num_samples=1).squeeze(1)
+                    sampled = torch.empty_like(drawn).index_copy_(0, draw, drawn)
             else:
                 sampled = torch.argmax(scores, dim=-1)
             sampled_logprobs = torch.log_softmax(scores, dim=-1).gather(1, sampled[:, None]).squeeze(1)
@@ -378,23 +392,29 @@ class HFBackend:
         return results
 
     def _prefill(self, new: list[list[int]], matches: list[tuple[_KVEntry | None, int]], rows: list[int],
-                 capacity: int) -> tuple[DynamicCache, torch.Tensor]:
+                 capacity: int, into: list[ReservedCacheLayer] | None = None,
+                 gap: int = 0) -> tuple[DynamicCache, torch.Tensor]:
         """One forward pass over `rows`' uncached tokens after their reused keys/values. Row i (c cached, n new
-        tokens) is laid out as [pad x (C-c)] [cached] [pad x (N-n)] [new] (C, N: the rows' largest); pads are
-        masked, and position ids count only real tokens, so each row sees exactly its own sequence. Returns the
-        cache (room for `capacity` positions) and each row's float32 logits of its next token."""
+        tokens) is laid out as [pad x (C-c)] [cached] [pad x gap] [pad x (N-n)] [new] (C, N: the rows' largest);
+        pads are masked, and position ids count only real tokens, so each row sees exactly its own sequence.
+        The cache's layers are `into` (windows of a larger cache) or new ones with room for `capacity`
+        positions. Returns the cache and each row's float32 logits of its next token."""
         device, pad = self.device, self.tokenizer.pad_token_id
         cached = [matches[i][1] for i in rows]
         part = [new[i] for i in rows]
         c_max, n_max = max(cached), max(len(x) for x in part)
         cache = DynamicCache(config=self.model.config)
-        cache.layers = [ReservedCacheLayer(max(capacity, c_max + n_max), dtype=self._kv_dtype)
-                        for _ in cache.layers]
-        if c_max:
+        if into is None:
+            cache.layers = [ReservedCacheLayer(max(capacity, c_max + n_max), dtype=self._kv_dtype)
+                            for _ in cache.layers]
+        else:
+            cache.layers = into
+        if c_max or into is not None:
             for index, layer in enumerate(cache.layers):
-                layer.preload([matches[i][0].kv[index][:, :, :c] if c else None for i, c in zip(rows, cached)], c_max)
+                layer.preload([matches[i][0].kv[index][:, :, :c] if c else None for i, c in zip(rows, cached)],
+                              c_max, gap)
         input_ids = torch.tensor([[pad] * (n_max - len(x)) + x for x in part], device=device)
-        mask = torch.tensor([[0] * (c_max - c) + [1] * c + [0] * (n_max - len(x)) + [1] * len(x)
+        mask = torch.tensor([[0] * (c_max - c) + [1] * c + [0] * (gap + n_max - len(x)) + [1] * len(x)
                              for c, x in zip(cached, part)], device=device)
         positions = torch.tensor([[0] * (n_max - len(x)) + list(range(c, c + len(x)))
                                   for c, x in zip(cached, part)], device=device)
@@ -471,6 +491,7 @@ class ReservedCacheLayer(DynamicLayer):
         super().__init__()
         self.capacity, self.length, self.dtype = capacity, 0, dtype
         self._keys = self._values = None
+        self._window = False   # a window of another layer's buffer (`window`): writes land there, it cannot grow
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -478,6 +499,8 @@ class ReservedCacheLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
         if self._keys is None or end > self._keys.shape[-2]:
+            if self._window:
+                raise RuntimeError(f"a cache window of {self._keys.shape[-2]} positions cannot take {end}")
             batch, heads, _, dim = key_states.shape
             size, dtype = max(end, self.capacity), self.dtype or key_states.dtype
             keys = key_states.new_empty(batch, heads, size, dim, dtype=dtype)
@@ -492,48 +515,52 @@ class ReservedCacheLayer(DynamicLayer):
         self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
         return self.keys, self.values
 
-    def preload(self, rows: list[torch.Tensor | None], width: int) -> None:
+    def allocate(self, batch: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        """Reserve the buffer (`batch` rows x `capacity` positions, in this layer's dtype or else `dtype`) before
+        anything is written: windows (`window`) then fill it."""
+        shape = (batch, heads, self.capacity, dim)
+        self._keys = torch.empty(shape, dtype=self.dtype or dtype, device=device)
+        self._values = torch.empty(shape, dtype=self.dtype or dtype, device=device)
+        self.lazy_initialization(self._keys, self._values)
+        self.keys, self.values = self._keys[..., :0, :], self._values[..., :0, :]
+
+    def window(self, rows: slice, start: int, stop: int) -> ReservedCacheLayer:
+        """A layer over batch rows `rows` and positions [start, stop) of this layer's buffer: a prefill through
+        it writes its keys/values straight into their place here."""
+        part = ReservedCacheLayer(stop - start, self.dtype)
+        part._keys, part._values = self._keys[rows, :, start:stop], self._values[rows, :, start:stop]
+        part._window = True
+        part.lazy_initialization(part._keys, part._values)
+        part.keys, part.values = part._keys[..., :0, :], part._values[..., :0, :]
+        return part
+
+    def fill(self, length: int) -> None:
+        """Mark the first `length` positions filled (written through windows)."""
+        self.length = length
+        self.keys, self.values = self._keys[..., :length, :], self._values[..., :length, :]
+
+    def preload(self, rows: list[torch.Tensor | None], width: int, gap: int = 0) -> None:
         """Fill an empty layer with one batch row per entry of `rows` (keys and values of c cached positions,
-        (2, heads, c, dim); None for c = 0), right-aligned in `width` positions after zeroed pads (masked, but
-        they must be finite), written straight into the buffer."""
-        template = next(kv for kv in rows if kv is not None)
-        _, heads, _, dim = template.shape
-        self.lazy_initialization(template[:1], template[1:])
-        dtype = self.dtype or template.dtype
-        shape = (len(rows), heads, max(self.capacity, width), dim)
-        self._keys, self._values = template.new_empty(shape, dtype=dtype), template.new_empty(shape, dtype=dtype)
+        (2, heads, c, dim); None for c = 0), right-aligned in `width` positions after zeroed pads, then `gap`
+        zeroed positions in every row (pads are masked, but must be finite), written straight into the buffer
+        (allocated here unless `allocate` or `window` gave one)."""
+        if self._keys is None:
+            template = next(kv for kv in rows if kv is not None)
+            _, heads, _, dim = template.shape
+            self.lazy_initialization(template[:1], template[1:])
+            dtype = self.dtype or template.dtype
+            shape = (len(rows), heads, max(self.capacity, width + gap), dim)
+            self._keys, self._values = template.new_empty(shape, dtype=dtype), template.new_empty(shape, dtype=dtype)
         for b, kv in enumerate(rows):
             c = 0 if kv is None else kv.shape[2]
             for j, dst in enumerate((self._keys, self._values)):
                 dst[b, :, :width - c] = 0
                 if c:
                     dst[b, :, width - c:width] = kv[j]
-        self.length = width
-        self.keys, self.values = self._keys[..., :width, :], self._values[..., :width, :]
-
-    def place(self, source: ReservedCacheLayer, rows: list[int], cached: list[int], new: list[int],
-              source_layout: tuple[int, int], layout: tuple[int, int], batch: int) -> None:
-        """Copy the rows of `source` (a group's prefill: row j holds cached[j] reused and new[j] new positions,
-        laid out for its group's largest (C, N) = `source_layout`) to batch rows `rows` of this layer, laid out
-        for `layout` (the chunk's largest), among `batch` rows. Pads are zeroed (masked, but must be finite);
-        the filled part is then C + N positions long."""
-        (c_src, n_src), (c_dst, n_dst) = source_layout, layout
-        width = c_dst + n_dst
-        if self._keys is None:
-            self.lazy_initialization(source.keys, source.values)
-            _, heads, _, dim = source.keys.shape
-            shape = (batch, heads, max(self.capacity, width), dim)
-            dtype = self.dtype or source.keys.dtype
-            self._keys = source.keys.new_empty(shape, dtype=dtype)
-            self._values = source.values.new_empty(shape, dtype=dtype)
-        for j, (b, c, n) in enumerate(zip(rows, cached, new)):
-            for dst, src in ((self._keys, source.keys), (self._values, source.values)):
-                dst[b, :, :c_dst - c] = 0
-                dst[b, :, c_dst - c:c_dst] = src[j, :, c_src - c:c_src]
-                dst[b, :, c_dst:width - n] = 0
-                dst[b, :, width - n:width] = src[j, :, c_src + n_src - n:c_src + n_src]
-        self.length = width
-        self.keys, self.values = self._keys[..., :width, :], self._values[..., :width, :]
+        if gap:
+            self._keys[:, :, width:width + gap] = 0
+            self._values[:, :, width:width + gap] = 0
+        self.fill(width + gap)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only the rows `indices`. Where no row moves up (finished rows dropped in order, or the last rows

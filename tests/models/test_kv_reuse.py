@@ -234,7 +234,7 @@ def test_rows_prefilled_in_groups_generate_what_one_pass_does(plain, reusing, mo
     monkeypatch.setattr(hf_backend, "PREFILL_PASS_TOKENS", pass_tokens)
     passes = []
     prefill = reusing._prefill
-    monkeypatch.setattr(reusing, "_prefill", lambda *a: passes.append(len(a[2])) or prefill(*a))
+    monkeypatch.setattr(reusing, "_prefill", lambda *a, **k: passes.append(len(a[2])) or prefill(*a, **k))
     monkeypatch.setattr(reusing, "max_batch_size", 6)
     conversations = [_start(i) for i in range(6)]
     split = False

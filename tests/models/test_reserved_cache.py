@@ -61,16 +61,30 @@ def test_preloaded_and_placed_rows_are_the_padded_layout_a_dynamic_layer_gets():
     k, v = _kv(3, 2, seed=4)  # the new tokens then go in place after them
     assert all(torch.equal(a, b) for a, b in zip(reserved.update(k, v), plain.update(k, v)))
 
-    # the group's rows 0 and 1 (laid out for 5 cached, 2 new) become rows 2 and 0 of a wider chunk (7 cached and 3
-    # new at most)
-    wide = ReservedCacheLayer(capacity=12)
-    wide.place(reserved, rows=[2, 0], cached=[5, 0], new=[2, 1], source_layout=(5, 2), layout=(7, 3), batch=3)
-    assert wide.get_seq_length() == 10 and wide._keys.shape == (3, 3, 12, 8)
-    for row, j, c, n in ((2, 0, 5, 2), (0, 1, 0, 1)):
-        for got, src in ((wide.keys, reserved.keys), (wide.values, reserved.values)):
-            assert torch.equal(got[row, :, 7 - c:7], src[j, :, 5 - c:5])       # cached, right-aligned
-            assert torch.equal(got[row, :, 10 - n:10], src[j, :, 7 - n:7])     # new tokens at the end
-            assert not got[row, :, :7 - c].any() and not got[row, :, 7:10 - n].any()   # pads zeroed
+
+
+def test_a_window_prefills_straight_into_its_rows_and_positions_of_a_larger_cache():
+    # A group of 2 rows (5 cached positions at most, 2 new) prefilled into rows 1-2 of a 3-row chunk laid out for
+    # 7 cached and 4 new positions: the window spans positions [7 - 5, 7 + 4), its gap of 4 - 2 positions zeroed.
+    import pytest
+
+    chunk = ReservedCacheLayer(capacity=14)
+    chunk.allocate(3, 3, 8, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randn(2, 3, 5, 8, generator=g), torch.randn(2, 3, 3, 8, generator=g)]
+    window = chunk.window(slice(1, 3), 2, 11)
+    window.preload(rows, width=5, gap=2)
+    assert window.get_seq_length() == 7
+    k, v = _kv(2, 2, seed=6)
+    window.update(k, v)
+    for b, kv in ((1, rows[0]), (2, rows[1])):
+        c = kv.shape[2]
+        for j, buf in enumerate((chunk._keys, chunk._values)):
+            assert torch.equal(buf[b, :, 7 - c:7], kv[j])                 # cached, right-aligned at the chunk's C
+            assert not buf[b, :, 2:7 - c].any() and not buf[b, :, 7:9].any()   # pads and the gap zeroed
+            assert torch.equal(buf[b, :, 9:11], (k, v)[j][b - 1])          # new tokens at the end of the layout
+    with pytest.raises(RuntimeError, match="cannot take"):
+        window.update(*_kv(2, 1, seed=7))                                 # a window never grows
 
 
 def test_decoding_with_the_reserved_cache_gives_the_same_logits(tiny_path):
