@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# A default household round (configs/default.yaml, its first round) before and after issue 25's performance work,
+# on one quiet machine in one invocation: the code of $OLD (default 62a44c2, where the issue's figures were taken)
+# against this checkout, then this checkout with rollouts sampled in bfloat16 (the gate stays float32). Each
+# `python -m bench.round` prints where its round's wall time went; all of it goes to output-<date>.txt here.
+# The old code runs from a temporary export with a copy of this checkout's .venv (its editable install re-pointed),
+# removed at the end (~2.3 GB while it runs). Run it on a quiet machine: ~15-20 minutes.
+set -euo pipefail
+cd "$(dirname "$0")/../../.."   # the repository root
+ROOT=$PWD OLD=${OLD:-62a44c2}
+out=bench/results/round/output-$(date +%F).txt
+tmp=$(mktemp -d /tmp/rsiflow-round-XXXX)
+trap 'rm -rf "$tmp"' EXIT
+git archive "$OLD" | tar -x -C "$tmp" && cp -a .venv "$tmp/.venv"
+sed -i "s|$ROOT|$tmp|g" "$tmp"/.venv/lib/python*/site-packages/__editable___rsiflow_*_finder.py
+export PREFECT_SERVER_ANALYTICS_ENABLED=false TOKENIZERS_PARALLELISM=false
+{
+  echo "== $OLD: python -m bench.round (configs/default.yaml)"
+  (cd "$tmp" && PREFECT_HOME="$tmp/prefect-old" .venv/bin/python -m bench.round)
+  echo "== $(git rev-parse --short HEAD): python -m bench.round"
+  PREFECT_HOME="$tmp/prefect-new" .venv/bin/python -m bench.round
+  echo "== $(git rev-parse --short HEAD): python -m bench.round --set backend.hf.dtype=bfloat16"
+  PREFECT_HOME="$tmp/prefect-bf16" .venv/bin/python -m bench.round --set backend.hf.dtype=bfloat16
+} 2>&1 | grep -v "it/s\]\|turn/s\]\|s/turn\]\|Loading weights" | tee "$out"
