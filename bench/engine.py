@@ -274,11 +274,20 @@ def replay_vllm(args, path, backend: HFBackend, rec: Recorder, params: SamplingP
           f"{1 - prefilled / prompt_total:.0%} of {prompt_total / n:.0f}) vs hf kv_reuse {hf_prefill:.0f}")
     print(f"vllm     : {processed:.0f} processed tok/s = {processed / limit:.2f} of the limit")
     hf_episode, vllm_episode = rec.seconds / n, seconds / n
-    if vllm_episode < hf_episode:
-        print(f"vllm     : its start pays off after {start_s / (hf_episode - vllm_episode):.0f} episodes like these "
+    episodes = break_even(start_s, hf_episode, vllm_episode)
+    if episodes is not None:
+        print(f"vllm     : its start pays off after {episodes:.0f} episodes like these "
               f"in one process (hf {hf_episode:.2f} s an episode in backend.generate, vllm {vllm_episode:.2f} s)")
     else:
         print(f"vllm     : never pays off here (hf {hf_episode:.2f} s an episode, vllm {vllm_episode:.2f} s)")
+
+
+def break_even(start_s: float, hf_episode_s: float, vllm_episode_s: float) -> float | None:
+    """Episodes in one process after which an engine that starts in `start_s` and plays an episode in
+    `vllm_episode_s` has cost no more than the hf backend at `hf_episode_s` an episode (None: never)."""
+    if vllm_episode_s >= hf_episode_s:
+        return None
+    return start_s / (hf_episode_s - vllm_episode_s)
 
 
 def mismatch(backend: HFBackend, path, rec: Recorder, rows: int, temperature: float) -> dict:

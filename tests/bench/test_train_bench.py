@@ -72,3 +72,10 @@ def test_the_engine_bench_splits_prefill_from_decoding():
     assert s["outside_seconds"] == 0.25 and s["decode_rows"] == 1.5 and s["decode_context"] == 6.5
     least = roofline.decode_step_limit(model, 2, 6, 1e9, 1e9) + roofline.decode_step_limit(model, 1, 7, 1e9, 1e9)
     assert s["decode_of_limit"] == least / 0.75
+
+
+def test_vllms_start_pays_off_once_the_seconds_it_saves_add_up_to_it():
+    from bench.engine import break_even
+
+    assert break_even(120.0, 3.0, 1.0) == 60.0   # 2 s saved an episode pays a 120 s start after 60 episodes
+    assert break_even(120.0, 1.0, 1.0) is None and break_even(10.0, 1.0, 2.0) is None
