@@ -57,25 +57,3 @@ def test_a_decode_step_is_bound_by_the_slower_of_its_two_roofs():
 
 def test_read_bandwidth_is_a_positive_rate():
     assert roofline.read_bandwidth("cpu", gib=1 / 64, seconds=0.05) > 0
-
-
-def test_the_engine_bench_splits_prefill_from_decoding():
-    from bench.engine import split_report
-
-    model = _Model()
-    passes = [{"rows": 2, "query": 5, "real": 8, "width": 5, "seconds": 1.0},    # a padded prefill
-              {"rows": 2, "query": 1, "real": 2, "width": 6, "seconds": 0.5},    # two decoding steps
-              {"rows": 1, "query": 1, "real": 1, "width": 7, "seconds": 0.25}]
-    s = split_report(passes, model, generate_seconds=2.0, flops=1e9, bandwidth=1e9, kv_dtype=torch.float32)
-    assert (s["prefill_tokens"], s["prefill_fed"], s["prefill_passes"]) == (8, 10, 1)
-    assert (s["decode_tokens"], s["decode_steps"]) == (3, 2)
-    assert s["outside_seconds"] == 0.25 and s["decode_rows"] == 1.5 and s["decode_context"] == 6.5
-    least = roofline.decode_step_limit(model, 2, 6, 1e9, 1e9) + roofline.decode_step_limit(model, 1, 7, 1e9, 1e9)
-    assert s["decode_of_limit"] == least / 0.75
-
-
-def test_vllms_start_pays_off_once_the_seconds_it_saves_add_up_to_it():
-    from bench.engine import break_even
-
-    assert break_even(120.0, 3.0, 1.0) == 60.0   # 2 s saved an episode pays a 120 s start after 60 episodes
-    assert break_even(120.0, 1.0, 1.0) is None and break_even(10.0, 1.0, 2.0) is None
