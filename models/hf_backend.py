@@ -339,6 +339,7 @@ class HFBackend:
         budget = self.kv_store_max_tokens - sum(len(e.ids) for e in new_store)
         for step in range(params.max_new_tokens):
             raise_if_interrupted(start_count, "hf")
+            threads.refresh()  # re-counted every step: another process may have started or stopped computing
             scores = warpers(None, logits)
             if sample:
                 # Drawn in the chunk's row order whatever order the batch holds its rows in (prefill groups,
@@ -399,6 +400,7 @@ class HFBackend:
         pads are masked, and position ids count only real tokens, so each row sees exactly its own sequence.
         The cache's layers are `into` (windows of a larger cache) or new ones with room for `capacity`
         positions. Returns the cache and each row's float32 logits of its next token."""
+        threads.refresh()
         device, pad = self.device, self.tokenizer.pad_token_id
         cached = [matches[i][1] for i in rows]
         part = [new[i] for i in rows]

@@ -8,14 +8,15 @@ the floor of an even split, takes 1.45x). Figures and the bench: docs/performanc
 
 `run.threads: auto` (the default) gives each computing process `cores // n` threads, where n is the number of
 rsiflow processes of this user on this machine inside a compute region (a `generate` call of the hf backend, a
-training run) at the time, itself included. A process enters a region with `computing()`, which puts a file
-`<pid>` in a per-user folder of the temporary directory for the region's length (a file of a dead or zombie
-process is ignored and removed; an OMP_NUM_THREADS in the environment caps the share), and `refresh()` (called
-per batch of a generate call and per optimizer step) re-counts and changes torch's thread count when the share
-changed, so a process that started alone drops to its share as soon as another one starts computing, and takes
-the cores back when it ends. A process between two compute calls (env steps, the store, waiting on a child) is
-not counted: an earlier version counted it for 30 s after its region, which changed nothing measurable on the
-bench (1.63x without, 1.64x with) and gave a run started right after another process computed one thread.
+training run) at the time, itself included. A process enters a region with `computing()`, which puts a file `<pid>`
+in a per-user folder of the temporary directory for the region's length (a file of a dead or zombie process is
+ignored and removed; an OMP_NUM_THREADS in the environment caps the share), and `refresh()` (called per chunk of a
+generate call, and with the hf backend's reused caches per prefill pass and decoding step, and per optimizer step)
+re-counts and changes torch's thread count when the share changed, so a process that started alone drops to its
+share as soon as another one starts computing, and takes the cores back when it ends. A process between two compute
+calls (env steps, the store, waiting on a child) is not counted: an earlier version counted it for 30 s after its
+region, which changed nothing measurable on the bench (1.63x without, 1.64x with) and gave a run started right after
+another process computed one thread.
 A number (`run.threads: 2`) fixes the count instead. The vLLM engine has its own setting
 (`backend.vllm.threads`); processes of `accelerate launch` each take `cores // train.processes`.
 
