@@ -590,7 +590,8 @@ def fill_holes(keep: list[int]) -> list[int]:
     """The rows of a batch to keep (ascending), reordered so that as few rows as possible move: a kept row stays
     where it is unless it lies beyond the new batch size, and those rows fill the slots of the dropped ones. Rows
     of a batch are computed independently, so their order changes nothing but which rows the cache must copy
-    (one per dropped row instead of every row after it)."""
+    (one per dropped row instead of every row after it): bit for bit on one thread; on two, the decoding
+    attention kernel splits its work by batch position, and logprobs differ in the last bits."""
     n = len(keep)
     movers = iter(b for b in keep if b >= n)
     kept = set(keep)
