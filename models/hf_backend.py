@@ -312,8 +312,6 @@ class HFBackend:
                 c_part, n_part = max(cached[i] for i in rows), max(len(new[i]) for i in rows)
                 windows = []
                 for layer in cache.layers:
-                    layer._keys[start:stop, :, :c_max - c_part] = 0   # pads before the window
-                    layer._values[start:stop, :, :c_max - c_part] = 0
                     windows.append(layer.window(slice(start, stop), c_max - c_part, c_max + n_max))
                 _, part_logits = self._prefill(new, matches, rows, 0, into=windows, gap=n_max - n_part)
                 if logits is None:
@@ -528,7 +526,9 @@ class ReservedCacheLayer(DynamicLayer):
 
     def window(self, rows: slice, start: int, stop: int) -> ReservedCacheLayer:
         """A layer over batch rows `rows` and positions [start, stop) of this layer's buffer: a prefill through
-        it writes its keys/values straight into their place here."""
+        it writes its keys/values straight into their place here. The rows' positions before `start` are zeroed."""
+        self._keys[rows, :, :start] = 0   # the rows' positions before the window: pads (masked, must be finite)
+        self._values[rows, :, :start] = 0
         part = ReservedCacheLayer(stop - start, self.dtype)
         part._keys, part._values = self._keys[rows, :, start:stop], self._values[rows, :, start:stop]
         part._window = True

@@ -81,7 +81,7 @@ def test_a_window_prefills_straight_into_its_rows_and_positions_of_a_larger_cach
         c = kv.shape[2]
         for j, buf in enumerate((chunk._keys, chunk._values)):
             assert torch.equal(buf[b, :, 7 - c:7], kv[j])                 # cached, right-aligned at the chunk's C
-            assert not buf[b, :, 2:7 - c].any() and not buf[b, :, 7:9].any()   # pads and the gap zeroed
+            assert not buf[b, :, :7 - c].any() and not buf[b, :, 7:9].any()   # pads (before and in the window), gap
             assert torch.equal(buf[b, :, 9:11], (k, v)[j][b - 1])          # new tokens at the end of the layout
     with pytest.raises(RuntimeError, match="cannot take"):
         window.update(*_kv(2, 1, seed=7))                                 # a window never grows
