@@ -11,6 +11,7 @@ from prefect import flow, get_run_logger
 from rsiflow.configs.schema import Config, ConfigError
 from rsiflow.flows.pooled import REPO, STEP_FLOW, config_from_payload, deployment_name, results_dir
 from rsiflow.flows.round import STEP_TASKS, run_tags, step_task
+from rsiflow.models import threads
 
 
 @flow(name=STEP_FLOW)
@@ -23,6 +24,7 @@ def pooled_step(step: str, round_no: int, config: dict) -> dict:
     if step not in STEP_TASKS:
         raise ConfigError(f"unknown step {step!r} (steps: {', '.join(STEP_TASKS)})")
     cfg = config_from_payload(config)
+    threads.apply_spin_count(cfg.run.omp_spin_count)   # before the step loads torch
     get_run_logger().info("round %d of run %r: step %s on this worker (pid %d, store %s)", round_no, cfg.run.name, step,
                           os.getpid(), cfg.run.store)
     result = step_task(cfg, step)(quote(cfg), round_no)

@@ -3,8 +3,9 @@
 torch starts as many compute threads as the machine has cores, in every process. Two processes that compute at
 once then run twice as many threads as there are cores, and the threads of one process wait on each other at
 every operation while the other process holds a core: on 2 cores, two household rounds at once had not finished
-after 4.8x the time of one alone when they were stopped; with this policy each took 1.63x (one thread alone,
-the floor of an even split, takes 1.45x). Figures and the bench: docs/performance.md.
+after 4.8x the time of one alone when they were stopped; with this policy each took 1.63-1.75x, and 1.45-1.48x
+with idle OpenMP threads that spin less before they sleep (`run.omp_spin_count`, `apply_spin_count`; one thread
+alone, the floor of an even split, takes 1.45x). Figures and the bench: docs/performance.md.
 
 `run.threads: auto` (the default) gives each computing process `cores // n` threads, where n is the number of
 rsiflow processes of this user on this machine inside a compute region (a `generate` call of the hf backend, a
@@ -33,8 +34,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import math
 import os
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -45,6 +48,7 @@ _lock = threading.Lock()
 _setting: int | str = "auto"
 _depth = 0
 _applied: int | None = None
+_late_spin_counts: set[str] = set()   # run.omp_spin_count values already reported as too late
 
 
 def machine_cores() -> int:
@@ -55,6 +59,27 @@ def machine_cores() -> int:
         if quota != "max":
             cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
     return max(1, cores)
+
+
+def apply_spin_count(count: int | None) -> bool:
+    """Set GOMP_SPINCOUNT (`run.omp_spin_count`) for this process and the processes it starts. The OpenMP runtime
+    reads it once, when torch loads, so it takes effect only if torch is not imported yet; returns whether the
+    environment now holds `count` (None: nothing to do, True). A count that comes too late is logged, once."""
+    if count is None:
+        return True
+    value = str(count)
+    if os.environ.get("GOMP_SPINCOUNT") == value:
+        return True
+    if "torch" in sys.modules:
+        if value in _late_spin_counts:
+            return False
+        _late_spin_counts.add(value)
+        logging.getLogger(__name__).warning(
+            "run.omp_spin_count=%s not applied: torch was loaded before the config was read (GOMP_SPINCOUNT=%s); "
+            "export GOMP_SPINCOUNT=%s before starting rsiflow", value, os.environ.get("GOMP_SPINCOUNT", "unset"), value)
+        return False
+    os.environ["GOMP_SPINCOUNT"] = value
+    return True
 
 
 def configure(setting: int | str) -> None:

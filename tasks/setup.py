@@ -13,14 +13,14 @@ from typing import Any
 
 from rsiflow.configs.schema import Config, ConfigError
 from rsiflow.envs import EnvError, check_env_kwargs, make_env
-from rsiflow.models.loading import resolve_base_model
+from rsiflow.models import threads
 from rsiflow.stores.lake import is_lake
 from rsiflow.tasks.common import open_store
 
 # Keys (and sections) that say how a run is executed, not what it computes: changing them continues the run.
 OPERATIONAL = (
     "run.rounds", "run.store", "run.run_dir", "run.model_cache", "prefect", "train.report_to", "train.keep_candidates",
-    "run.lake_data_path", "run.threads",
+    "run.lake_data_path", "run.threads", "run.omp_spin_count",
     "backend.hf.max_batch_size", "backend.hf.kv_reuse",
     "backend.vllm.python", "backend.vllm.kv_cache_gib", "backend.vllm.gpu_memory_utilization",
     "backend.vllm.enforce_eager", "backend.vllm.threads", "backend.vllm.start_timeout",
@@ -80,6 +80,8 @@ def method_tables(cfg: Config, store) -> None:
 def check_base_model(cfg: Config) -> Path:
     """The base model's checkpoint folder (converted into the model cache the first time), with safetensors
     weights; ConfigError naming model.base otherwise."""
+    from rsiflow.models.loading import resolve_base_model  # torch: loaded once a run starts (run.omp_spin_count)
+
     try:
         path = resolve_base_model(cfg.model.base, Path(cfg.run.model_cache).expanduser())
     except (OSError, ValueError, LookupError) as e:
@@ -142,6 +144,7 @@ def ensure_run(cfg: Config) -> str:
     then write the run row and register the base model as 'base' (round 0's 'init' step). Nothing is written
     before every input is checked. The round count is not part of a run's identity: asking for more rounds
     continues it."""
+    threads.apply_spin_count(cfg.run.omp_spin_count)   # first: the checks below may load torch
     check_env_config(cfg)
     check_methods(cfg)
     run_id = cfg.run.name

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rsiflow.models import threads
+from tests.conftest import TINY, tiny_overrides
 
 
 @pytest.fixture
@@ -123,9 +124,44 @@ def test_regions_nest_and_a_fixed_count_leaves_no_mark(policy):
 def test_the_config_key_takes_auto_or_a_count_and_names_a_bad_value(tmp_path):
     from rsiflow.configs.loader import load_config
     from rsiflow.configs.schema import ConfigError
-    from tests.conftest import TINY
+
 
     assert load_config([TINY]).run.threads == "auto"
     assert load_config([TINY], ["run.threads=2"]).run.threads == 2
     with pytest.raises(ConfigError, match="run.threads"):
         load_config([TINY], ["run.threads=many"])
+
+
+def test_the_spin_count_reaches_the_environment_before_torch_loads(tmp_path):
+    """run.omp_spin_count is applied by ensure_run, the first thing a run does; the modules a run imports before it
+    must not load torch (libgomp reads GOMP_SPINCOUNT once, when torch loads)."""
+    script = textwrap.dedent(f"""
+        import os, sys
+        os.environ.pop("GOMP_SPINCOUNT", None)
+        import rsiflow.flows.cli, rsiflow.flows.round, rsiflow.flows.self_improve, rsiflow.flows.pooled_step
+        from rsiflow.configs.loader import load_config
+        from rsiflow.tasks.setup import ensure_run
+        assert "torch" not in sys.modules, "importing the flows loaded torch"
+        cfg = load_config([{TINY!r}], {tiny_overrides(tmp_path, "run.omp_spin_count=7777")!r})
+        ensure_run(cfg)
+        assert "torch" in sys.modules   # the base model's check loaded it, after the count was set
+        print("GOMP_SPINCOUNT", os.environ.get("GOMP_SPINCOUNT"))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "GOMP_SPINCOUNT 7777" in out.stdout
+
+
+def test_a_spin_count_that_comes_after_torch_is_reported_once_and_not_pretended(monkeypatch, caplog):
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setattr(threads, "_late_spin_counts", set())
+    assert threads.apply_spin_count(None)             # nothing asked: nothing to do
+    assert "GOMP_SPINCOUNT" not in os.environ
+    with caplog.at_level("WARNING", logger=threads.__name__):
+        assert not threads.apply_spin_count(5000)     # torch is loaded in this process
+        assert not threads.apply_spin_count(5000)
+    assert "GOMP_SPINCOUNT" not in os.environ
+    warnings = [r.getMessage() for r in caplog.records if "omp_spin_count" in r.getMessage()]
+    assert len(warnings) == 1 and "export GOMP_SPINCOUNT=5000" in warnings[0]
+    monkeypatch.setenv("GOMP_SPINCOUNT", "5000")      # exported before start: already in effect
+    assert threads.apply_spin_count(5000)
