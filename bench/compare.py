@@ -131,6 +131,28 @@ def _completed_rounds(store_path: Path, run_id: str) -> int:
     return max(done, record["rounds_completed"] if record else -1)
 
 
+def _final_test_missing(store_path: Path, run_id: str) -> bool:
+    """Whether neither the store nor the run's record holds the run's final test split (a run stopped after its
+    last round, while it played the split)."""
+    record = read_record(store_path.parent, run_id)
+    if record and record.get("final_test") is not None:
+        return False
+    if not store_path.exists():
+        return True
+    from rsiflow.stores.store import Store
+    from rsiflow.tasks.final_test import stored_final_test
+
+    with Store(store_path, read_only=True) as store:
+        return stored_final_test(store, run_id) is None
+
+
+def _wants_final_test(args, arm: Arm, seed: int, out: Path) -> bool:
+    """Whether the run's config asks for a final test split (gate.test_tasks)."""
+    from rsiflow.configs.loader import load_config
+
+    return load_config(args.config, run_overrides(args, arm, seed, out)).gate.test_tasks > 0
+
+
 # ---- records: a finished run's figures, outside the store ------------------------------------
 
 RECORD_VERSION = 1
@@ -194,8 +216,12 @@ def run_all(args, arms: list[Arm], seeds: list[int], out: Path) -> list[str]:
         name = run_name(arm.name, seed)
         done = _completed_rounds(store, name)
         if done >= args.rounds:
-            print(f"[{i}/{len(todo)}] {name}: {done} round(s) already in the store, skipped", flush=True)
-            continue
+            if not (_wants_final_test(args, arm, seed, out) and _final_test_missing(store, name)):
+                print(f"[{i}/{len(todo)}] {name}: {done} round(s) already in the store, skipped", flush=True)
+                continue
+            # `rsiflow run` on a run with all its rounds plays only what is missing: the final test split
+            print(f"[{i}/{len(todo)}] {name}: {done} round(s) done, its final test split is not: playing it",
+                  flush=True)
         cmd = [sys.executable, "-m", "rsiflow.flows.cli", "run"]
         for c in args.config:
             cmd += ["--config", c]

@@ -181,3 +181,33 @@ def test_a_record_of_another_version_is_refused_with_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"a-s0.json: record version 0.*--report-only"):
         read_record(tmp_path, "a-s0")
     assert read_record(tmp_path, "b-s0") is None
+
+
+@pytest.mark.slow
+def test_a_run_stopped_during_its_final_test_split_plays_it_on_the_next_invocation(tmp_path):
+    """A run with all its rounds but no final test split (stopped while playing it) is not skipped: the next
+    invocation plays the split, and the one after skips the run."""
+    out = tmp_path / "cmp"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONPATH": str(REPO)}
+    env.pop("PREFECT_API_URL", None)
+    cmd = [sys.executable, "-m", "bench.compare", "--config", TINY, "--arm", "a", "--seeds", "0", "--rounds", "1",
+           "--set", "gate.heldout_tasks=4", "--set", "gate.test_tasks=3", "--out", str(out)]
+    first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    record = out / "records" / "a-s0.json"
+    assert json.loads(record.read_text())["final_test"]["tasks"] == 3
+
+    # as if stopped while playing the split: its step and the record's figures are gone
+    con = duckdb.connect(str(out / "compare.duckdb"))
+    con.execute("DELETE FROM steps WHERE run_id = 'a-s0' AND step = 'test'")
+    con.close()
+    data = json.loads(record.read_text())
+    data["final_test"] = None
+    record.write_text(json.dumps(data))
+
+    second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "its final test split is not: playing it" in second.stdout and "skipped" not in second.stdout
+    assert json.loads(record.read_text())["final_test"]["tasks"] == 3
+    third = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert third.returncode == 0 and "1 round(s) already in the store, skipped" in third.stdout, third.stdout[-2000:]
