@@ -19,7 +19,8 @@ Each (arm, seed) is one run named `<arm>-s<seed>`, executed one at a time as a s
 run.store=<out>/compare.duckdb and run.run_dir=<out>/runs/{name} (one store for all: DuckDB
 allows one writer, so runs go one after another, and each subprocess frees its memory). Logs go
 to <out>/logs/<run>.log. Running the same command again skips runs the store already has with
-all their rounds and resumes unfinished ones (`rsiflow run` continues a run by name).
+all their rounds (and their final test split, where the config asks for one) and resumes unfinished ones
+(`rsiflow run` continues a run by name; one with all its rounds plays only its missing split).
 
 A finished run is also written to <out>/records/<run>.json: its per-round figures and final test, all the
 report reads, in a few kilobytes. The store and the checkpoints stay out of version control; the records are
