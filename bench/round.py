@@ -172,10 +172,8 @@ def instrument(env_name: str) -> None:
     patch(hb.HFBackend, "generate", "generate")
     patch(hb.HFBackend, "__init__", "model load")
     patch(hb.HFBackend, "_load", "model load")
+    # tasks/setup.py imports it from loading when a run starts, so the one patch covers both callers
     patch(loading, "resolve_base_model", "model load")
-    import rsiflow.tasks.setup as setup
-
-    patch(setup, "resolve_base_model", "model load")
     patch(trainer, "train_candidate", "train")
 
     env_cls = type(make_env(env_name))
