@@ -31,6 +31,19 @@ def test_attribution_charges_the_innermost_category():
     assert a.detail[("store", "Store.__init__")] == secs["store"]
 
 
+def test_instrument_finds_every_function_it_times():
+    """Every function `instrument` wraps still exists under the name it patches (a renamed or moved one fails here,
+    in a few seconds, instead of in the slow tier's tiny round). A subprocess: the patches are process-wide."""
+    code = ("from bench.round import instrument\n"
+            "import rsiflow.models.loading as loading, rsiflow.models.hf_backend as hb\n"
+            "instrument('household')\n"
+            "assert loading.resolve_base_model.__bench_wrapped__ and hb.HFBackend.generate.__bench_wrapped__\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_bench_round_on_tiny(tmp_path):
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONPATH": str(REPO)}
