@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."   # the repository root
 ROOT=$PWD OLD=${OLD:-62a44c2}
-out=bench/results/round/output-$(date +%F).txt
+out=bench/results/round/output-$(date +%F-%H%M).txt
 tmp=$(mktemp -d /tmp/rsiflow-round-XXXX)
 trap 'rm -rf "$tmp"' EXIT
 git archive "$OLD" | tar -x -C "$tmp" && cp -a .venv "$tmp/.venv"
