@@ -17,7 +17,15 @@ from rsiflow.configs.schema import Config
 from rsiflow.envs.rollout import env_factory
 from rsiflow.stats.success import compare
 from rsiflow.tasks.common import open_store, utcnow
-from rsiflow.tasks.gate import HeldoutPlays, distinct_tasks, heldout_tasks, paired_figures, sample_seed, spec_key
+from rsiflow.tasks.gate import (
+    HeldoutPlays,
+    distinct_tasks,
+    heldout_tasks,
+    paired_figures,
+    partial_path,
+    sample_seed,
+    spec_key,
+)
 
 
 def final_test_tasks(cfg: Config) -> list:
@@ -70,7 +78,7 @@ def final_test(cfg: Config) -> dict:
     tags = {base: "base", champion: "champion"} if champion != base else {base: "base"}
     plays = HeldoutPlays(cfg, tasks, paths, tags, f"{run_id}/r{round_no}/test", g.test_seed,
                          {m: sample_seed(g.test_seed, 0, tags[m]) for m in paths}, g.samples,
-                         f"final test ({len(tasks)} tasks)")
+                         f"final test ({len(tasks)} tasks)", checkpoint=partial_path(cfg, round_no, "test"))
     n = len(tasks)
     for m, outcomes in known.items():
         if outcomes is not None:
@@ -101,6 +109,7 @@ def final_test(cfg: Config) -> dict:
         for table in ("trajectories", "turns", "evaluations"):
             tx.insert(table, rows[table])
         tx.metrics({"final_test": result})
+    plays.discard_checkpoint()
     return result
 
 

@@ -14,12 +14,22 @@ The champion's held-out results are reused task by task when the store already h
 played them as the previous round's candidate, or as the base in round 1): the same model on the
 same task with the same seed. At `gate.temperature: 0` (greedy) a result does not depend on which
 batch it was played in; with sampling it does (the backend seeds each batched call).
+
+A stopped gate resumes its plays: after each batch of plays (one model's greedy or sampled plays of the
+tasks a look adds) the plays so far are saved to `<run_dir>/partial/`, and the same step run again starts
+from them when every setting that decides the plays (tasks, seeds, models' weights files, env, backend,
+dtypes) is the same, playing only the batches it had not finished: the same plays an unbroken gate makes.
+The file is removed once the step is stored.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
+import pickle
+from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
@@ -144,13 +154,61 @@ class HeldoutPlays:
     `samples` k > 0, k sampled plays per task at the training policy's temperature (seed per model, fresh)."""
 
     def __init__(self, cfg: Config, tasks: list[TaskSpec], paths: dict[str, str], tags: dict[str, str],
-                 prefix: str, greedy_seed: int, sample_seeds: dict[str, int], samples: int, desc: str):
+                 prefix: str, greedy_seed: int, sample_seeds: dict[str, int], samples: int, desc: str,
+                 checkpoint: Path | None = None):
         self.cfg, self.tasks, self.paths, self.tags, self.prefix = cfg, tasks, paths, tags, prefix
         self.greedy_seed, self.sample_seeds, self.samples, self.desc = greedy_seed, sample_seeds, samples, desc
         self.greedy: dict[str, dict[int, dict]] = {m: {} for m in paths}
         self.sampled: dict[str, dict[int, dict]] = {m: {} for m in paths}
         self.played: dict[str, list[Episode]] = {m: [] for m in paths}
         self.played_sampled: dict[str, list[Episode]] = {m: [] for m in paths}
+        self.checkpoint, self.resumed = checkpoint, 0
+        if checkpoint is not None:
+            self._resume()
+
+    def _key(self) -> str:
+        """What decides these plays: a saved checkpoint is used only when this is unchanged."""
+        def weights(path: str) -> list:
+            p = Path(path)
+            files = sorted(p.glob("*.safetensors")) + sorted(p.glob("*.bin")) if p.is_dir() else []
+            return [path] + [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+
+        cfg = self.cfg
+        settings = {"prefix": self.prefix, "tasks": [t.task_id for t in self.tasks], "greedy_seed": self.greedy_seed,
+                    "sample_seeds": self.sample_seeds, "samples": self.samples, "tags": self.tags,
+                    "models": {m: weights(p) for m, p in self.paths.items()}, "env": cfg.env.model_dump(),
+                    "backend": cfg.backend.model_dump(), "gate_temperature": cfg.gate.temperature,
+                    "dtypes": [cfg.model.dtype, cfg.gate.dtype]}
+        return hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
+
+    def _resume(self) -> None:
+        try:
+            with open(self.checkpoint, "rb") as f:
+                saved = pickle.load(f)
+        except (OSError, EOFError, pickle.UnpicklingError):  # none, or unreadable: play from the start
+            return
+        if saved.get("key") != self._key():
+            return
+        for name in ("greedy", "sampled", "played", "played_sampled"):
+            for m, v in saved[name].items():
+                if m in self.paths:
+                    getattr(self, name)[m] = v
+        self.resumed = sum(len(v) + len(self.played_sampled[m]) for m, v in self.played.items())
+
+    def _save(self) -> None:
+        if self.checkpoint is None:
+            return
+        self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.checkpoint.with_name(self.checkpoint.name + ".tmp")
+        with open(tmp, "wb") as f:
+            pickle.dump({"key": self._key(), "greedy": self.greedy, "sampled": self.sampled,
+                         "played": self.played, "played_sampled": self.played_sampled}, f)
+        os.replace(tmp, self.checkpoint)
+
+    def discard_checkpoint(self) -> None:
+        """Remove the saved plays (call once what they were for is stored)."""
+        if self.checkpoint is not None:
+            self.checkpoint.unlink(missing_ok=True)
 
     def play_first(self, n: int) -> None:
         for mid in self.paths:
@@ -172,6 +230,7 @@ class HeldoutPlays:
                                            "task_type": e.task.task_type, "traj_id": e.traj_id,
                                            "actions": [t.action_text for t in e.turns],
                                            "messages": e.messages, "n_prefix": e.n_prefix}
+                self._save()
             if sampled_missing:
                 k = self.samples
                 episodes = [Episode(traj_id=f"{self.prefix}/{tag}/sampled/{i:04d}-{j:02d}", task=self.tasks[i],
@@ -185,6 +244,7 @@ class HeldoutPlays:
                     self.sampled[mid][i] = {"successes": sum(bool(e.success) for e in eps), "plays": k,
                                             "gen_tokens": sum(e.gen_tokens for e in eps),
                                             "task_type": self.tasks[i].task_type}
+                self._save()
 
     def outcomes(self, metric: str, a: str, b: str, n: int) -> tuple[list, list]:
         """(a's, b's) outcomes on the first n tasks: greedy successes, or sampled success counts."""
@@ -225,6 +285,11 @@ class HeldoutPlays:
             out["sampled"] = _rate_summary([r["successes"] for r in s], self.samples, [r["task_type"] for r in s],
                                            self.cfg.gate.confidence)
         return out
+
+
+def partial_path(cfg: Config, round_no: int, step: str) -> Path:
+    """Where a step's held-out plays are saved while it runs (`HeldoutPlays`' checkpoint)."""
+    return cfg.run_dir / "partial" / f"{cfg.run.name}-r{round_no}-{step}.pkl"
 
 
 def split_purpose(split: str) -> str:
@@ -287,11 +352,15 @@ def gate_candidate(cfg: Config, round_no: int) -> dict:
 
     tag = {cid: "candidate", champion: "champion"}
     plays = HeldoutPlays(cfg, tasks, paths, tag, f"{run_id}/r{round_no}/gate", g.seed,
-                         {m: sample_seed(g.seed, round_no, tag[m]) for m in paths}, g.samples, f"round {round_no} gate")
+                         {m: sample_seed(g.seed, round_no, tag[m]) for m in paths}, g.samples, f"round {round_no} gate",
+                         checkpoint=partial_path(cfg, round_no, "gate"))
+    if plays.resumed:
+        get_run_logger().info("round %d gate: resuming from %d plays saved by a stopped attempt", round_no,
+                              plays.resumed)
     # the champion's greedy results on the same tasks and seed, reused where the store has them
-    plays.greedy[champion] = {i: {**stored[t.task_id], "task_type": t.task_type,
-                                  "actions": stored_actions.get(stored[t.task_id]["traj_id"], [])}
-                              for i, t in enumerate(tasks) if t.task_id in stored}
+    plays.greedy[champion].update({i: {**stored[t.task_id], "task_type": t.task_type,
+                                       "actions": stored_actions.get(stored[t.task_id]["traj_id"], [])}
+                                   for i, t in enumerate(tasks) if t.task_id in stored})
     samples = g.samples if g.metric == "sampled" else 1
 
     def outcomes(n: int) -> tuple[list, list]:
@@ -372,6 +441,7 @@ def gate_candidate(cfg: Config, round_no: int) -> dict:
                 tx.insert(table, trows)
         if assessed or metrics:
             tx.metrics({**{name: c.metrics for name, (_, c) in assessed.items()}, **metrics})
+    plays.discard_checkpoint()
     logger = get_run_logger()
     logger.info("round %d gate: %s", round_no, line)
     emit_gate_event(gate_event(run_id, round_no, decision, cid if trained else None, champion, new_champion,

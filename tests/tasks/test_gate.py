@@ -56,6 +56,7 @@ def test_growth_plays_only_what_each_look_adds_and_reuses_the_champions_stored_r
     # round 1: the candidate solves nothing; at the first look it is behind (0 wins, 1 loss on task 3): reject
     assert gate.gate_candidate.fn(cfg, 1)["decision"] == "reject"
     assert calls == [("r1-path", [0, 1, 2, 3]), ("base-path", [0, 1, 2, 3])]
+    assert not gate.partial_path(cfg, 1, "gate").exists()   # the saved plays go once the step is stored
 
     # round 2: solves all 8; first look 3 wins 0 losses, p = 1/8 > 0.05/2: grow; second look 6-0,
     # p = 1/64 <= 0.025: promote. The base reuses tasks 0-3 from round 1 and plays only 4-7.
@@ -85,6 +86,33 @@ def test_growth_plays_only_what_each_look_adds_and_reuses_the_champions_stored_r
     assert [(e["event"], e["payload"]["round"]) for e in events] == [
         ("rsiflow.gate.reject", 1), ("rsiflow.gate.promote", 2), ("rsiflow.gate.skip", 3)]
     assert {e["resource"]["prefect.resource.id"] for e in events} == {"rsiflow.run.tiny"}
+
+
+def test_a_gate_stopped_after_the_candidates_plays_resumes_with_the_champions(tmp_path, scripted, monkeypatch):
+    calls, _ = scripted
+    cfg = load_config([TINY], tiny_overrides(tmp_path, "gate.rule=paired_test", "gate.heldout_tasks=4",
+                                             "diagnostics.enabled=false"))
+    with Store(cfg.run.store) as store:
+        store.create_run(RUN, RUN, {}, "tiny:0")
+        register(store, 0, "tiny/base", "base-path", "base")
+        register(store, 1, "tiny/r1/candidate", "r1-path", "candidate", "tiny/base")
+    scripted_play = gate.play
+
+    def stop_at_the_champion(cfg, backend, *args, **kwargs):
+        if backend == "base-path":
+            raise KeyboardInterrupt  # the attempt is stopped here
+        return scripted_play(cfg, backend, *args, **kwargs)
+
+    monkeypatch.setattr(gate, "play", stop_at_the_champion)
+    with pytest.raises(KeyboardInterrupt):
+        gate.gate_candidate.fn(cfg, 1)
+    assert calls == [("r1-path", [0, 1, 2, 3])] and gate.partial_path(cfg, 1, "gate").exists()
+    monkeypatch.setattr(gate, "play", scripted_play)
+    assert gate.gate_candidate.fn(cfg, 1)["decision"] == "reject"
+    assert calls == [("r1-path", [0, 1, 2, 3]), ("base-path", [0, 1, 2, 3])]   # the candidate did not play again
+    with Store(cfg.run.store, read_only=True) as store:
+        assert len(store.rows("SELECT * FROM trajectories WHERE round = 1")) == 8
+    assert not gate.partial_path(cfg, 1, "gate").exists()
 
 
 def test_gate_event_names_the_decision_the_run_and_the_models(monkeypatch):
