@@ -710,15 +710,24 @@ class NucleusWarper(LogitsProcessor):
         probs = scores.double().softmax(dim=-1)
         vocab = probs.shape[-1]
         k = min(self.first_k, vocab)
-        while True:
-            top, index = probs.topk(k, dim=-1)  # descending
-            mass = top.cumsum(dim=-1)
-            if k == vocab or bool((mass[:, -1] >= self.top_p).all()):
-                break
+        top, index = probs.topk(k, dim=-1)  # descending
+        mass = top.cumsum(dim=-1)
+        # Only the rows whose nucleus is wider than k are ranked again, 8x wider each time (most rows are peaked:
+        # ranking the whole batch that wide cost more than the rest of the step). Narrower rows are padded with
+        # zero probabilities, which are never kept.
+        while k < vocab and bool((need := mass[:, -1] < self.top_p).any()):
             k = min(8 * k, vocab)
+            rows = need.nonzero().squeeze(1)
+            wider, wider_index = probs[rows].topk(k, dim=-1)
+            top = torch.nn.functional.pad(top, (0, k - top.shape[1]))
+            index = torch.nn.functional.pad(index, (0, k - index.shape[1]))
+            top[rows], index[rows] = wider, wider_index
+            mass = top.cumsum(dim=-1)
         keep_ranked = mass - top < self.top_p  # the mass ranked above each token
         keep_ranked[:, 0] = True
-        keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, index, keep_ranked)
+        keep = torch.zeros_like(probs, dtype=torch.bool)
+        row_of = torch.arange(len(probs), device=probs.device)[:, None].expand_as(index)
+        keep[row_of[keep_ranked], index[keep_ranked]] = True   # padding (index 0, never kept) writes nothing
         return scores.masked_fill(~keep, -float("inf"))
 
 

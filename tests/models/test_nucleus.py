@@ -49,6 +49,32 @@ def test_rows_needing_more_than_the_first_ranks_are_widened():
     assert (~torch.isinf(got[0])).sum() > 1000 and (~torch.isinf(got[1])).sum() < 1000
 
 
+def _whole_batch_widening(scores: torch.Tensor, top_p: float, first_k: int) -> torch.Tensor:
+    """The filter as it was: every row ranked k wide until all rows' nuclei fit."""
+    probs = scores.double().softmax(dim=-1)
+    k = first_k
+    while True:
+        top, index = probs.topk(k, dim=-1)
+        mass = top.cumsum(dim=-1)
+        if k == probs.shape[-1] or bool((mass[:, -1] >= top_p).all()):
+            break
+        k = min(8 * k, probs.shape[-1])
+    keep_ranked = mass - top < top_p
+    keep_ranked[:, 0] = True
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, index, keep_ranked)
+    return scores.masked_fill(~keep, -float("inf"))
+
+
+@pytest.mark.parametrize("first_k", [4, 128])
+def test_widening_only_the_wide_rows_keeps_exactly_what_widening_all_rows_kept(first_k):
+    # peaked, mixed and flat rows in one batch: the narrow ones are padded while the wide ones are ranked again
+    scores = torch.cat([_logits(3, 20.0, seed=3), _logits(3, 2.0, seed=4), _logits(2, 0.1, seed=5)])
+    scores[:, :2] += torch.tensor([[9.0], [4.0], [0.0], [6.0], [3.0], [0.0], [0.0], [0.0]])
+    for top_p in (0.5, 0.9, 0.95):
+        expected = _whole_batch_widening(scores, top_p, first_k)
+        assert torch.equal(NucleusWarper(top_p, first_k=first_k)(None, scores.clone()), expected)
+
+
 def test_the_most_likely_token_is_always_kept():
     scores = torch.tensor([[5.0, 1.0, 0.0, -1.0]])
     got = NucleusWarper(0.0)(None, scores)
