@@ -352,8 +352,11 @@ class HFBackend:
             else:
                 sampled = torch.argmax(scores, dim=-1)
             sampled_logprobs = torch.log_softmax(scores, dim=-1).gather(1, sampled[:, None]).squeeze(1)
-            temp_scores = torch.log_softmax(temperature_only(None, logits), dim=-1)
-            sampled_temp = temp_scores.gather(1, sampled[:, None]).squeeze(1)
+            if sample:
+                temp_scores = torch.log_softmax(temperature_only(None, logits), dim=-1)
+                sampled_temp = temp_scores.gather(1, sampled[:, None]).squeeze(1)
+            else:  # greedy: no warper, so the scores are the logits and both logprobs are the same
+                sampled_temp = sampled_logprobs
             keep = []
             for b, (row, token, logprob, temp) in enumerate(zip(active, sampled.tolist(), sampled_logprobs.tolist(),
                                                                  sampled_temp.tolist())):
