@@ -6,10 +6,12 @@
 # fresh checkout keeps only finished runs (records/), so give a seed (~2.5-3 hours on 2 cores) a session of its
 # own: `SEEDS=0 bash command.sh`, then SEEDS=1, then SEEDS=2.
 #
-# PARALLEL=1 SEEDS=1,2 bash command.sh: the seeds at once, each on one thread (run.threads=1, so each run's
-# figures do not depend on what else runs) in its own folder part-s<seed>/ (DuckDB takes one writer a store),
-# then merged into this folder's store and report. Two one-thread runs on the 2 cores finish about 1.6x sooner
-# than the same runs one after another on both cores; run it again after a stop, as above.
+# PARALLEL=1 SEEDS=1,2 bash command.sh: the seeds at once, each on one thread (run.threads=1) in its own folder
+# part-s<seed>/ (DuckDB takes one writer a store), then merged into this folder's store and report. Two one-thread
+# runs on the 2 cores finish about 1.6x sooner than the same runs one after another on both cores; run it again
+# after a stop, as above. THREADS=2 (with PARALLEL=1) gives each seed that many threads instead, e.g. for the last
+# seed left running: on this machine the model's logits, sampled tokens and gradients are bit-identical at 1 and 2
+# threads (checked 2026-12-06), so a seed's figures do not depend on it.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."   # the repository root
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
@@ -18,7 +20,7 @@ common=(--config configs/household-learn.yaml --arm "exit:distill.methods=[exit]
 if [[ ${PARALLEL:-0} == 1 ]]; then
   seeds=(${SEEDS//,/ }) merge=() pids=()
   for s in "${seeds[@]}"; do
-    PREFECT_HOME=/tmp/cmp-prefect-s$s "$PY" -m bench.compare "${common[@]}" --seeds "$s" --set run.threads=1 \
+    PREFECT_HOME=/tmp/cmp-prefect-s$s "$PY" -m bench.compare "${common[@]}" --seeds "$s" --set run.threads="${THREADS:-1}" \
       --out "$OUT/part-s$s" > "/tmp/learning-household-s$s.out" 2>&1 &
     pids+=($!) merge+=(--merge "$OUT/part-s$s")
   done
