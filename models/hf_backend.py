@@ -700,8 +700,8 @@ class NucleusWarper(LogitsProcessor):
     `TopPLogitsWarper`'s (which removes a token when the ascending cumulative probability up to it is at most
     1 - top_p: the same condition), up to floating-point rounding exactly at the boundary and the order of tied
     probabilities. Instead of sorting the whole vocabulary every decoding step it ranks only the `first_k` most
-    likely tokens, and 8x as many while their mass is below `top_p` in some row: on SmolLM2's 49,152-token
-    vocabulary the full sort took most of a sampling step's non-model time (`python -m bench.decode`)."""
+    likely tokens, and ranks a row 8x as wide again while their mass is below `top_p` in it: on SmolLM2's
+    49,152-token vocabulary the full sort took most of a sampling step's non-model time (`python -m bench.decode`)."""
 
     def __init__(self, top_p: float, first_k: int = 128):
         if not 0.0 <= top_p <= 1.0:
