@@ -108,12 +108,14 @@ def leaked_ids(skill: str, ids: set[str]) -> list[str]:
 
 
 def clean_skill(raw: str, max_chars: int = 600) -> str:
-    """The skill as kept: stripped, blank lines dropped, at most `max_chars` characters (cut at a line end)."""
+    """The skill as kept: stripped, blank lines dropped, at most `max_chars` characters (cut at a line end; a
+    single line at a word end), so the stored text is exactly what `skill_block` shows."""
     lines = [line.rstrip() for line in raw.replace("\r", "").strip().splitlines() if line.strip()]
     text = "\n".join(lines)
     if len(text) > max_chars:
         cut = text[:max_chars]
-        text = cut[: cut.rfind("\n")] if "\n" in cut else cut
+        end = cut.rfind("\n") if "\n" in cut else cut.rfind(" ")
+        text = (cut[:end] if end > 0 else cut).rstrip()
     return text
 
 

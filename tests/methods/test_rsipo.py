@@ -9,6 +9,7 @@ from rsiflow.methods.rsipo.algorithm import (
     SKILL_HEADER,
     LibrarySkill,
     check_skill,
+    clean_skill,
     concrete_ids,
     gain,
     library_entry,
@@ -157,3 +158,10 @@ def test_retirement_after_shrunk_gains_stay_at_or_below_zero():
     s.tests.append({"round": 3, "test_id": "s/t2", "task_id": "t", "gain": 0.9, "noise": 0.01, "shrunk": 0.9,
                     "weight": 1.0})
     assert library_entry(s, round_no=3, retire_after=2)["status"] == "retired"  # retired stays retired
+
+
+@pytest.mark.parametrize("raw", ["word " * 200, "x" * 700, "first line\n" + "word " * 200])
+def test_a_cut_skill_is_stored_as_the_block_shows_it(raw):
+    text = clean_skill(raw, max_chars=600)
+    assert len(text) <= 600 and text == text.strip() and text
+    assert skill_block(text) == f"{SKILL_HEADER}\n{text}"   # what is stored is what a replay shows
