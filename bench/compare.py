@@ -25,7 +25,12 @@ all their rounds (and their final test split, where the config asks for one) and
 A finished run is also written to <out>/records/<run>.json: its per-round figures and final test, all the
 report reads, in a few kilobytes. The store and the checkpoints stay out of version control; the records are
 committed, so a comparison longer than one machine session continues on a fresh checkout: a run with a record
-of all its rounds is skipped, and the report reads it from the record when the store lacks it.
+of all its rounds is skipped, and the report reads it from the record when the store lacks it. A run cut off
+before its end continues there too with --pack: each time one of its rounds completes, its rows up to that round
+are written to <out>/packs/<run>.duckdb.gz (~1 MB a household round); commit the packs, and the same command on
+the fresh checkout merges them into its store first and resumes after the packed rounds (the round that was in
+progress starts again). A finished run's pack is removed (its record replaces it). Packs carry rows, not
+checkpoints: a run whose champion is a trained candidate is not packed (copy its runs/ folder instead).
 
 Then the store is read (read-only) and written as
 - <out>/learning.md (also at the top of table.md): per arm and round the serving model's held-out
@@ -53,13 +58,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import gzip
 import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,6 +200,88 @@ def write_record(out: Path, run_id: str) -> Path:
     return path
 
 
+# ---- packs: an unfinished run's completed rounds, carried to another checkout ----------------------
+
+def pack_path(out: Path, run_id: str) -> Path:
+    return out / "packs" / f"{run_id}.duckdb.gz"
+
+
+def write_pack(out: Path, run_id: str, wait_s: float = 30.0) -> Path | None:
+    """Write `run_id`'s completed rounds from <out>/compare.duckdb to <out>/packs/<run_id>.duckdb.gz: every row
+    of the run in a round up to its last completed one (round 0 is its start), none of a round in progress (its
+    checkpoints stay behind on this machine) and no lease. A store of its own, gzipped (a round of 128 household
+    episodes packs to ~1 MB), so a run longer than one machine session continues on a fresh checkout: the next
+    `bench.compare` there merges the pack into its store and resumes after the packed rounds. None when the run
+    has no completed round. A run whose champion is a trained checkpoint cannot be packed (the pack carries rows,
+    not weights): ValueError, naming the checkpoint."""
+    import duckdb
+
+    from rsiflow.stores.store import Store
+
+    source = out / "compare.duckdb"
+    with Store(source, read_only=True, wait_s=wait_s) as store:
+        done = store.last_completed_round(run_id)
+        if done < 0:
+            return None
+        champion = store.rows("SELECT m.model_id, m.role, m.path FROM rounds r JOIN models m"
+                              " ON m.model_id = r.champion_after WHERE r.run_id = ? AND r.round = ?", [run_id, done])
+    if champion and champion[0]["role"] != "base":
+        raise ValueError(f"{run_id}: the champion after round {done} is the trained checkpoint "
+                         f"{champion[0]['path']}; a pack carries the store's rows, not weights: copy the run's "
+                         f"folder {out / 'runs' / run_id} along instead")
+    path = pack_path(out, run_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_db = path.with_name(f".{run_id}.pack.duckdb")
+    tmp_db.unlink(missing_ok=True)
+    with Store(tmp_db):  # the schema of this code
+        pass
+    con = duckdb.connect(str(tmp_db))
+    try:
+        con.execute(f"ATTACH '{source}' AS src (READ_ONLY)")
+        columns: dict[str, set[str]] = {}
+        for table, column in con.execute(
+                "SELECT table_name, column_name FROM information_schema.columns"
+                " WHERE table_catalog = 'src' AND table_schema = 'main'").fetchall():
+            columns.setdefault(table, set()).add(column)
+        con.begin()
+        for table, cols in sorted(columns.items()):
+            if "run_id" not in cols or table == "leases":
+                continue
+            cut = " AND round <= ?" if "round" in cols else ""
+            con.execute(f'INSERT INTO main."{table}" BY NAME SELECT * FROM src."{table}" WHERE run_id = ?{cut}',
+                        [run_id, done] if cut else [run_id])
+        con.commit()
+        con.execute("DETACH src")
+        con.execute("CHECKPOINT")
+    finally:
+        con.close()
+    tmp_gz = path.with_name(f".{run_id}.pack.gz")
+    with open(tmp_db, "rb") as src_f, gzip.open(tmp_gz, "wb", compresslevel=6) as dst_f:
+        shutil.copyfileobj(src_f, dst_f)
+    tmp_db.unlink()
+    Path(f"{tmp_db}.wal").unlink(missing_ok=True)
+    tmp_gz.replace(path)
+    return path
+
+
+def _unpacked(pack: Path, into: Path) -> Path:
+    """The DuckDB file of a gzipped pack, written to `into` (a folder)."""
+    dest = into / pack.name.removesuffix(".gz")
+    with gzip.open(pack, "rb") as src_f, open(dest, "wb") as dst_f:
+        shutil.copyfileobj(src_f, dst_f)
+    return dest
+
+
+def merge_packs(out: Path, run_ids: list[str]) -> list[str]:
+    """Merge into <out>/compare.duckdb each of these runs' pack that holds more completed rounds than the store
+    (a fresh checkout of a comparison that ran elsewhere); returns the runs merged."""
+    packs = [pack_path(out, r) for r in run_ids if pack_path(out, r).exists()]
+    if not packs:
+        return []
+    with tempfile.TemporaryDirectory(prefix="rsiflow-pack-") as tmp:
+        return merge_runs(out, [_unpacked(p, Path(tmp)) for p in packs])
+
+
 def run_overrides(args, arm: Arm, seed: int, out: Path) -> list[str]:
     own = [f"run.name={run_name(arm.name, seed)}", f"run.seed={seed}", f"run.rounds={args.rounds}",
            f"run.store={out / 'compare.duckdb'}", f"run.run_dir={out / 'runs'}/{{name}}"]
@@ -213,6 +303,10 @@ def run_all(args, arms: list[Arm], seeds: list[int], out: Path) -> list[str]:
     failed = []
     # seed-major: every arm of seed 0 first, so a comparison cut short stays balanced across arms
     todo = [(a, s) for s in seeds for a in arms]
+    merged = merge_packs(out, [run_name(a.name, s) for a, s in todo])
+    if merged:
+        print(f"bench.compare: merged the packs of {merged} (their completed rounds, from another checkout)",
+              flush=True)
     for i, (arm, seed) in enumerate(todo, 1):
         name = run_name(arm.name, seed)
         done = _completed_rounds(store, name)
@@ -237,7 +331,7 @@ def run_all(args, arms: list[Arm], seeds: list[int], out: Path) -> list[str]:
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
                                     start_new_session=True)
             try:
-                rc = proc.wait()
+                rc = _wait(proc, out, name, done) if args.pack else proc.wait()
             except BaseException:
                 # Interrupted (Ctrl-C, SIGTERM): take the run and the Prefect server it started down with
                 # us; the run resumes from its last completed step next time.
@@ -252,7 +346,28 @@ def run_all(args, arms: list[Arm], seeds: list[int], out: Path) -> list[str]:
             print(f"    {name}: FAILED (exit {rc}) after {dt:.0f} s; last lines of {log}:\n{tail}", flush=True)
         else:
             print(f"    {name}: done in {dt:.0f} s; record {write_record(out, name)}", flush=True)
+            pack_path(out, name).unlink(missing_ok=True)   # the record holds what the report needs
     return failed
+
+
+PACK_POLL_S = 60.0
+
+
+def _wait(proc: subprocess.Popen, out: Path, run_id: str, packed: int) -> int:
+    """Wait for the run's process, writing its pack each time another round completes (--pack)."""
+    while True:
+        try:
+            return proc.wait(timeout=PACK_POLL_S)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            done = _completed_rounds(out / "compare.duckdb", run_id)
+            if done > packed:
+                write_pack(out, run_id, wait_s=5.0)
+                packed = done
+                print(f"    {run_id}: packed {done} completed round(s) to {pack_path(out, run_id)}", flush=True)
+        except Exception as err:  # the store busy, or a champion that cannot be packed: the run goes on
+            print(f"    {run_id}: no pack this time: {type(err).__name__}: {err}", flush=True)
 
 
 def merge_runs(out: Path, sources: list[Path]) -> list[str]:
@@ -713,6 +828,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--report-only", action="store_true", help="rebuild table and plot from the store; run nothing")
     ap.add_argument("--merge", action="append", default=[], metavar="OUT_DIR",
                     help="first copy the runs of another comparison folder's store into this one (repeatable)")
+    ap.add_argument("--pack", action="store_true",
+                    help="keep <out>/packs/<run>.duckdb.gz, each unfinished run's completed rounds, up to date as "
+                         "rounds complete (with --report-only: write them now); commit them, and a fresh "
+                         "checkout's next run of the same command merges them and resumes there (see the notes)")
     args = ap.parse_args(argv)
     os.chdir(REPO)  # config paths and `runs/...` defaults resolve against the repository, as for rsiflow
     out = Path(args.out).resolve()
@@ -735,6 +854,10 @@ def main(argv: list[str] | None = None) -> None:
             arm_names, seeds = [a["name"] for a in manifest["arms"]], manifest["seeds"]
         else:
             arm_names = [a.name for a in arms]
+        if args.pack:
+            for name in (run_name(a, s) for s in seeds for a in arm_names):
+                if read_record(out, name) is None and (path := write_pack(out, name)) is not None:
+                    print(f"bench.compare: packed {name} to {path}")
         print(report(out, arm_names, seeds))
         return
 

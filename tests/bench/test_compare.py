@@ -49,6 +49,88 @@ def test_merge_copies_runs_of_a_store_older_code_wrote(tmp_path):
         assert m.rows("SELECT count(*) AS n FROM mass_verdicts")[0]["n"] == 0
 
 
+def _run_store(path, champion_role="base"):
+    """A store with run a-s0: rounds 0 and 1 completed, round 2 in progress (a trajectory, a candidate), a lease."""
+    from rsiflow.stores.store import Store
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with Store(path) as s:
+        s.create_run("a-s0", "a-s0", {"x": 1}, "base")
+        s.con.execute("INSERT INTO models (model_id, run_id, round, path, role) VALUES"
+                      " ('base', 'a-s0', 0, '/wheel/model', 'base'),"
+                      f" ('a-s0/r1/candidate', 'a-s0', 1, '/runs/a-s0/models/round-1', '{champion_role}'),"
+                      " ('a-s0/r2/candidate', 'a-s0', 2, '/runs/a-s0/models/round-2', 'candidate')")
+        champion = "base" if champion_role == "base" else "a-s0/r1/candidate"
+        for r in (0, 1):
+            s.start_round("a-s0", r, "base")
+            s.finish_round("a-s0", r, champion, {"m": r})
+        s.start_round("a-s0", 2, champion)
+        for r in (1, 2):
+            s.con.execute("INSERT INTO trajectories (traj_id, run_id, round) VALUES (?, 'a-s0', ?)", [f"t{r}", r])
+        s.acquire_lease("a-s0", "host:1:x", 60.0, "host", 1)
+
+
+def test_pack_carries_completed_rounds_to_a_fresh_store(tmp_path):
+    """A pack holds the run's rows up to its last completed round, no lease; merged into a fresh comparison
+    folder it gives the same completed rounds, and a second merge copies nothing."""
+    from bench.compare import merge_packs, pack_path, write_pack
+    from rsiflow.stores.store import Store
+
+    out = tmp_path / "here"
+    _run_store(out / "compare.duckdb")
+    assert write_pack(out, "a-s0") == pack_path(out, "a-s0")
+    there = tmp_path / "there"
+    (there / "packs").mkdir(parents=True)
+    shutil.copy(pack_path(out, "a-s0"), pack_path(there, "a-s0"))
+    assert merge_packs(there, ["a-s0", "b-s0"]) == ["a-s0"]
+    assert merge_packs(there, ["a-s0"]) == []
+    with Store(there / "compare.duckdb", read_only=True) as m:
+        assert m.last_completed_round("a-s0") == 1
+        assert [r["round"] for r in m.rows("SELECT round FROM rounds ORDER BY round")] == [0, 1]
+        assert [r["traj_id"] for r in m.rows("SELECT traj_id FROM trajectories")] == ["t1"]
+        assert [r["model_id"] for r in m.rows("SELECT model_id FROM models ORDER BY model_id")] == [
+            "a-s0/r1/candidate", "base"]
+        assert m.rows("SELECT count(*) AS n FROM leases")[0]["n"] == 0
+
+
+def test_pack_refuses_a_trained_champion_and_a_run_without_rounds(tmp_path):
+    from bench.compare import write_pack
+    from rsiflow.stores.store import Store
+
+    out = tmp_path / "here"
+    _run_store(out / "compare.duckdb", champion_role="champion")
+    with pytest.raises(ValueError, match="trained checkpoint /runs/a-s0/models/round-1"):
+        write_pack(out, "a-s0")
+    with Store(out / "compare.duckdb") as s:
+        s.create_run("b-s0", "b-s0", {"x": 1}, "base")
+    assert write_pack(out, "b-s0") is None
+    assert not (out / "packs" / "b-s0.duckdb.gz").exists()
+
+
+def test_waiting_on_a_run_packs_each_newly_completed_round(tmp_path, capsys):
+    """--pack: while the run's process lives, a round completed since the last pack is packed once."""
+    import bench.compare as bc
+
+    out = tmp_path / "here"
+    _run_store(out / "compare.duckdb")
+
+    class Proc:   # a run process that is still running at the first two looks, then exits 0
+        looks = 0
+
+        def wait(self, timeout=None):
+            self.looks += 1
+            if self.looks <= 2:
+                raise subprocess.TimeoutExpired("rsiflow", timeout)
+            return 0
+
+    assert bc._wait(Proc(), out, "a-s0", packed=0) == 0
+    assert bc.pack_path(out, "a-s0").exists()
+    assert capsys.readouterr().out.count("packed 1 completed round(s)") == 1
+    bc.pack_path(out, "a-s0").unlink()
+    assert bc._wait(Proc(), out, "a-s0", packed=1) == 0   # nothing new completed: no pack
+    assert not bc.pack_path(out, "a-s0").exists()
+
+
 def _h(k, n):
     return {"successes": k, "n": n, "success_rate": k / n}
 
@@ -211,3 +293,36 @@ def test_a_run_stopped_during_its_final_test_split_plays_it_on_the_next_invocati
     assert json.loads(record.read_text())["final_test"]["tasks"] == 3
     third = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert third.returncode == 0 and "1 round(s) already in the store, skipped" in third.stdout, third.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_a_packed_run_resumes_on_a_fresh_checkout(tmp_path):
+    """A run cut off after its first round (no record), packed, continues in another folder that holds only the
+    pack: its first round is merged, not played again, the second is played, and the finished run's pack goes."""
+    out, fresh = tmp_path / "cmp", tmp_path / "fresh"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONPATH": str(REPO)}
+    env.pop("PREFECT_API_URL", None)
+    cmd = [sys.executable, "-m", "bench.compare", "--config", TINY, "--arm", "a", "--seeds", "0",
+           "--set", "gate.heldout_tasks=4", "--pack"]
+    res = subprocess.run([*cmd, "--rounds", "1", "--out", str(out)], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert not (out / "packs" / "a-s0.duckdb.gz").exists()   # finished: its record replaces the pack
+    (out / "records" / "a-s0.json").unlink()                   # as if cut off after round 1
+    res = subprocess.run([sys.executable, "-m", "bench.compare", "--out", str(out), "--report-only", "--pack"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "packed a-s0" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+    (fresh / "packs").mkdir(parents=True)
+    shutil.copy(out / "packs" / "a-s0.duckdb.gz", fresh / "packs")
+    res = subprocess.run([*cmd, "--rounds", "2", "--out", str(fresh)], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "merged the packs of ['a-s0']" in res.stdout
+    log = (fresh / "logs" / "a-s0.log").read_text()
+    assert "round 2 generate" in log and "round 1 generate" not in log   # round 1 came from the pack
+    con = duckdb.connect(str(fresh / "compare.duckdb"), read_only=True)
+    assert con.execute("SELECT list(round ORDER BY round) FROM rounds WHERE status = 'completed'").fetchall() == [
+        ([1, 2],)]
+    con.close()
+    assert json.loads((fresh / "records" / "a-s0.json").read_text())["rounds_completed"] == 2
+    assert not (fresh / "packs" / "a-s0.duckdb.gz").exists()

@@ -2,9 +2,9 @@
 # Issue 22's check on the default env: the arm that learned best on arithmetic level 2 (ExIt, with the replay
 # buffer, the sampled paired-test gate and a final test split no decision reads), on household with the recipe
 # of configs/household-learn.yaml, 3 seeds x 5 rounds, each seed its own held-out and test tasks. Resumes:
-# run it again after a stop and it continues from the last completed step of the same checkout (its store); a
-# fresh checkout keeps only finished runs (records/), so give a seed (~2.5-3 hours on 2 cores) a session of its
-# own: `SEEDS=0 bash command.sh`, then SEEDS=1, then SEEDS=2.
+# run it again after a stop and it continues from the last completed step of the same checkout (its store). On a
+# fresh checkout it continues from the last round a pack holds (--pack: <out>/packs/<run>.duckdb.gz, rewritten as
+# each round completes; commit them): the round that was in progress starts again.
 #
 # PARALLEL=1 SEEDS=1,2 bash command.sh: the seeds at once, each on one thread (run.threads=1) in its own folder
 # part-s<seed>/ (DuckDB takes one writer a store), then merged into this folder's store and report. Two one-thread
@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."   # the repository root
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 PY=${PYTHON:-.venv/bin/python} OUT=bench/results/learning-household
-common=(--config configs/household-learn.yaml --arm "exit:distill.methods=[exit]" --rounds 5 --heldout-per-seed)
+common=(--config configs/household-learn.yaml --arm "exit:distill.methods=[exit]" --rounds 5 --heldout-per-seed --pack)
 if [[ ${PARALLEL:-0} == 1 ]]; then
   seeds=(${SEEDS//,/ }) merge=() pids=()
   for s in "${seeds[@]}"; do
