@@ -8,7 +8,8 @@
    token: the distributions a sampling step really sees (how wide the nucleus is decides what top-p costs).
 2. Times, on batches of `--batch` of those rows (the engine's decode batch), in this process and this run:
    transformers' `TopPLogitsWarper` (a full sort of the vocabulary), rsiflow's `NucleusWarper` (the same kept
-   set from the top-ranked tokens), the rest of a sampling step (softmax, multinomial, two log-softmaxes), and
+   set from the top-ranked tokens), the rest of a sampling step (softmax, multinomial, two log-softmaxes), the
+   whole sampling step of `backend.hf.sampler: nucleus` (`sample_nucleus`: drawn among the nucleus only), and
    one decode step of the model itself at that batch (the context of the played episodes).
 3. Times the model's decode step at `--contexts` tokens of context with transformers' `DynamicLayer` cache (which
    concatenates, copying each layer's whole cache every step) and with the backend's `ReservedCacheLayer` (written in
@@ -35,7 +36,7 @@ from bench.engine import Recorder
 from rsiflow.envs import make_env
 from rsiflow.envs.rollout import Episode, run_episodes
 from rsiflow.models.backend import SamplingParams
-from rsiflow.models.hf_backend import FLOAT32_SDPA, HFBackend, NucleusWarper, ReservedCacheLayer
+from rsiflow.models.hf_backend import FLOAT32_SDPA, HFBackend, NucleusWarper, ReservedCacheLayer, sample_nucleus
 from rsiflow.models.loading import resolve_base_model
 
 
@@ -122,6 +123,8 @@ def main() -> None:
         torch.log_softmax(b, dim=-1)
 
     rest_ms = per_call_ms(rest, batches, args.repeats)
+    # backend.hf.sampler 'nucleus': the whole sampling step (top-p, draw, both logprobs) among the nucleus only
+    race_ms = per_call_ms(lambda b: sample_nucleus(b, 1.0, args.top_p), batches, args.repeats)
     step_ms, _ = decode_step_ms(backend.model, args.batch, context)
     kept_hf = ~torch.isinf(hf(None, logits[:n].clone()))
     kept_ours = ~torch.isinf(ours(None, logits[:n]))
@@ -138,9 +141,13 @@ def main() -> None:
     print(f"| top-p, transformers TopPLogitsWarper (full sort) | {hf_ms:.2f} | {hf_ms / step_ms:.3f} |")
     print(f"| top-p, rsiflow NucleusWarper | {ours_ms:.2f} | {ours_ms / step_ms:.3f} |")
     print(f"| softmax + multinomial + 2 log-softmax | {rest_ms:.2f} | {rest_ms / step_ms:.3f} |")
+    print(f"| whole sampling step, sampler 'nucleus' (top-p, draw among the nucleus, 2 logprobs) | {race_ms:.2f} | "
+          f"{race_ms / step_ms:.3f} |")
     print(f"top-p speed-up: {hf_ms / ours_ms:.1f}x; a sampled decode step (model + top-p + rest) "
           f"{(step_ms + hf_ms + rest_ms) / (step_ms + ours_ms + rest_ms):.2f}x faster; kept sets differ in "
           f"{differ} of {n} rows")
+    print(f"sampler 'nucleus' vs 'full': sampling step {(ours_ms + rest_ms) / race_ms:.1f}x faster; a sampled decode "
+          f"step {(step_ms + ours_ms + rest_ms) / (step_ms + race_ms):.2f}x faster")
 
     print(f"| decode step (batch {args.batch}) | DynamicLayer (concatenating) ms | rsiflow ReservedCacheLayer ms | "
           "speed-up | same logits |")

@@ -101,6 +101,12 @@ class HFBackendConfig(Section):
         "turn (longest common token prefix); outputs are the same, prefill per episode drops to about its "
         "final context.",
     )
+    sampler: Literal["full", "nucleus"] = Field(
+        "full", description="How the kv_reuse engine draws a sampled token: 'full' = torch.multinomial over the "
+        "whole top-p-masked vocabulary (one random number per vocabulary entry); 'nucleus' = among the nucleus's "
+        "tokens only (an exponential race): the same distribution and logprobs, other draws for the same seed, "
+        "and a sampling step several times cheaper (python -m bench.decode). Greedy decoding is the same either way.",
+    )
 
 
 class VLLMBackendConfig(Section):

@@ -104,9 +104,13 @@ class HFBackend:
 
     def __init__(self, model_path: str | Path, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, dtype: str = "float32",
                  device: str | None = None, kv_reuse: bool = False,
-                 kv_store_max_tokens: int = DEFAULT_KV_STORE_MAX_TOKENS, trust_remote_code: bool = False):
+                 kv_store_max_tokens: int = DEFAULT_KV_STORE_MAX_TOKENS, trust_remote_code: bool = False,
+                 sampler: str = "full"):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if sampler not in ("full", "nucleus"):
+            raise ValueError(f"sampler must be 'full' or 'nucleus', got {sampler!r}")
+        self.sampler = sampler
         if kv_store_max_tokens < 0:
             raise ValueError(f"kv_store_max_tokens must be >= 0, got {kv_store_max_tokens}")
         self.max_batch_size = max_batch_size
@@ -338,25 +342,28 @@ class HFBackend:
         for step in range(params.max_new_tokens):
             raise_if_interrupted(start_count, "hf")
             threads.refresh()  # re-counted every step: another process may have started or stopped computing
-            scores = warpers(None, logits)
-            if sample:
-                # Drawn in the chunk's row order whatever order the batch holds its rows in (prefill groups,
-                # `fill_holes`), so a seeded call samples the same tokens as with the rows in order.
-                draw_order = sorted(range(len(active)), key=active.__getitem__)
-                if draw_order == list(range(len(active))):
+            # Drawn in the chunk's row order whatever order the batch holds its rows in (prefill groups,
+            # `fill_holes`), so a seeded call samples the same tokens as with the rows in order.
+            draw_order = sorted(range(len(active)), key=active.__getitem__) if sample else None
+            if sample and self.sampler == "nucleus":
+                sampled, sampled_logprobs, sampled_temp = sample_nucleus(logits, params.temperature, params.top_p,
+                                                                         draw_order)
+            else:
+                scores = warpers(None, logits)
+                if not sample:
+                    sampled = torch.argmax(scores, dim=-1)
+                elif draw_order == list(range(len(active))):
                     sampled = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
                 else:
                     draw = torch.tensor(draw_order, device=device)
                     drawn = torch.multinomial(torch.softmax(scores[draw], dim=-1), num_samples=1).squeeze(1)
                     sampled = torch.empty_like(drawn).index_copy_(0, draw, drawn)
-            else:
-                sampled = torch.argmax(scores, dim=-1)
-            sampled_logprobs = torch.log_softmax(scores, dim=-1).gather(1, sampled[:, None]).squeeze(1)
-            if sample:
-                temp_scores = torch.log_softmax(temperature_only(None, logits), dim=-1)
-                sampled_temp = temp_scores.gather(1, sampled[:, None]).squeeze(1)
-            else:  # greedy: no warper, so the scores are the logits and both logprobs are the same
-                sampled_temp = sampled_logprobs
+                sampled_logprobs = torch.log_softmax(scores, dim=-1).gather(1, sampled[:, None]).squeeze(1)
+                if sample:
+                    temp_scores = torch.log_softmax(temperature_only(None, logits), dim=-1)
+                    sampled_temp = temp_scores.gather(1, sampled[:, None]).squeeze(1)
+                else:  # greedy: no warper, so the scores are the logits and both logprobs are the same
+                    sampled_temp = sampled_logprobs
             keep = []
             for b, (row, token, logprob, temp) in enumerate(zip(active, sampled.tolist(), sampled_logprobs.tolist(),
                                                                  sampled_temp.tolist())):
@@ -694,6 +701,56 @@ def _warpers(params: SamplingParams, top_p: bool = True) -> LogitsProcessorList:
     return warpers
 
 
+def _ranked_nucleus(probs: torch.Tensor, top_p: float, first_k: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                               torch.Tensor]:
+    """The most likely tokens of each row of `probs`, descending, as many as its nucleus needs: (probabilities,
+    token ids, whether each is in the nucleus), (rows, k) each. A token is in it when the probability ranked
+    above it is below `top_p` (the most likely always is). Only the `first_k` most likely are ranked first, and
+    only the rows whose nucleus is wider than that are ranked again, 8x wider each time (most rows are peaked:
+    ranking the whole batch that wide cost more than the rest of a step); narrower rows are padded with
+    probability 0 (never in the nucleus) and token 0."""
+    vocab = probs.shape[-1]
+    k = min(first_k, vocab)
+    top, index = probs.topk(k, dim=-1)  # descending
+    mass = top.cumsum(dim=-1)
+    while k < vocab and bool((need := mass[:, -1] < top_p).any()):
+        k = min(8 * k, vocab)
+        rows = need.nonzero().squeeze(1)
+        wider, wider_index = probs[rows].topk(k, dim=-1)
+        top = torch.nn.functional.pad(top, (0, k - top.shape[1]))
+        index = torch.nn.functional.pad(index, (0, k - index.shape[1]))
+        top[rows], index[rows] = wider, wider_index
+        mass = top.cumsum(dim=-1)
+    kept = (mass - top < top_p) & (top > 0)   # the mass ranked above each token; padding is never kept
+    kept[:, 0] = True
+    return top, index, kept
+
+
+def sample_nucleus(logits: torch.Tensor, temperature: float, top_p: float, draw_order: list[int] | None = None,
+                   first_k: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token per row from the nucleus (top-p) of softmax(logits / temperature), drawn among the nucleus's
+    tokens only: returns (tokens, their logprobs under the nucleus distribution, their logprobs at the
+    temperature alone), the first two as `NucleusWarper` then `torch.multinomial` would give, in distribution.
+
+    The draw is an exponential race: with E_i ~ Exp(1) independent, argmax_i p_i / E_i is token i with
+    probability p_i / sum p (the smallest of independent exponential times E_i / p_i). It needs one random
+    number per nucleus token instead of multinomial's one per vocabulary entry (49,152 for SmolLM2), which was
+    most of a sampling step's cost outside the model. Probabilities are float64, as in `NucleusWarper`.
+    `draw_order`: the order in which rows take their random numbers (default: as given), so a seeded call draws
+    the same tokens whatever order the batch holds its rows in."""
+    logp = (logits.double() / temperature).log_softmax(dim=-1)
+    top, index, kept = _ranked_nucleus(logp.exp(), top_p, first_k)
+    kept_p = top.where(kept, torch.zeros((), dtype=top.dtype, device=top.device))
+    times = torch.empty_like(kept_p).exponential_()
+    if draw_order is not None and draw_order != list(range(len(draw_order))):
+        times = torch.empty_like(times).index_copy_(0, torch.tensor(draw_order, device=times.device), times)
+    choice = (kept_p / times.clamp_min(torch.finfo(times.dtype).tiny)).argmax(dim=-1, keepdim=True)
+    tokens = index.gather(1, choice).squeeze(1)
+    logprobs = (kept_p.gather(1, choice).squeeze(1) / kept_p.sum(dim=-1)).log()
+    temp_logprobs = logp.gather(1, tokens[:, None]).squeeze(1)
+    return tokens, logprobs.float(), temp_logprobs.float()
+
+
 class NucleusWarper(LogitsProcessor):
     """Top-p (nucleus) filtering: keeps a token when the probability of the tokens ranked above it is below
     `top_p` (so the most likely token always stays), masks the rest to -inf. The kept set is transformers'
@@ -711,23 +768,7 @@ class NucleusWarper(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor | None, scores: torch.FloatTensor) -> torch.FloatTensor:
         # float64: a float32 softmax's total is off by ~1e-5, enough to move the boundary of a wide nucleus
         probs = scores.double().softmax(dim=-1)
-        vocab = probs.shape[-1]
-        k = min(self.first_k, vocab)
-        top, index = probs.topk(k, dim=-1)  # descending
-        mass = top.cumsum(dim=-1)
-        # Only the rows whose nucleus is wider than k are ranked again, 8x wider each time (most rows are peaked:
-        # ranking the whole batch that wide cost more than the rest of the step). Narrower rows are padded with
-        # zero probabilities, which are never kept.
-        while k < vocab and bool((need := mass[:, -1] < self.top_p).any()):
-            k = min(8 * k, vocab)
-            rows = need.nonzero().squeeze(1)
-            wider, wider_index = probs[rows].topk(k, dim=-1)
-            top = torch.nn.functional.pad(top, (0, k - top.shape[1]))
-            index = torch.nn.functional.pad(index, (0, k - index.shape[1]))
-            top[rows], index[rows] = wider, wider_index
-            mass = top.cumsum(dim=-1)
-        keep_ranked = mass - top < self.top_p  # the mass ranked above each token
-        keep_ranked[:, 0] = True
+        _, index, keep_ranked = _ranked_nucleus(probs, self.top_p, self.first_k)
         keep = torch.zeros_like(probs, dtype=torch.bool)
         row_of = torch.arange(len(probs), device=probs.device)[:, None].expand_as(index)
         keep[row_of[keep_ranked], index[keep_ranked]] = True   # padding (index 0, never kept) writes nothing

@@ -18,6 +18,9 @@ def test_bench_decode_prints_both_filters_both_caches_and_their_agreement():
     assert hf and ours and agree, out.stdout
     assert float(hf.group(1)) > 0 and float(ours.group(1)) > 0
     assert int(agree.group(2)) >= 4 and int(agree.group(1)) == 0, out.stdout
+    race = re.search(r"\| whole sampling step, sampler 'nucleus' [^|]* \| ([0-9.]+) \|", out.stdout)
+    assert race and float(race.group(1)) > 0, out.stdout
+    assert re.search(r"sampler 'nucleus' vs 'full': sampling step [0-9.]+x faster", out.stdout), out.stdout
     caches = re.findall(r"\| context (\d+) \| ([0-9.]+) \| ([0-9.]+) \| [0-9.]+x \| (True|False) \|", out.stdout)
     assert [c[0] for c in caches] == ["40", "90"], out.stdout
     assert all(c[3] == "True" for c in caches)  # the reserved cache gives the same logits bit for bit

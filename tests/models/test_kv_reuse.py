@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rsiflow.models.backend import SamplingParams
-from rsiflow.models.hf_backend import HFBackend, clear_backends, get_backend
+from rsiflow.models.hf_backend import HFBackend, NucleusWarper, clear_backends, get_backend
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, stop=("\n",))
 
@@ -284,8 +284,8 @@ def test_prefill_groups_find_the_cheapest_contiguous_split():
         assert cost(got, new, cached, a, t) == pytest.approx(brute)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_dropping_finished_rows_by_filling_their_slots_changes_no_bit(reusing, monkeypatch, temperature):
+@pytest.mark.parametrize("temperature,sampler", [(0.0, "full"), (1.0, "full"), (1.0, "nucleus")])
+def test_dropping_finished_rows_by_filling_their_slots_changes_no_bit(reusing, monkeypatch, temperature, sampler):
     """Finished rows leave the decoding batch by moving the last rows into their slots (fill_holes) instead of
     shifting every later row; rows are computed independently and sampled in their original order, so greedy
     and seeded outputs are the same, bit for bit, as with every row kept in order. On one thread: on two,
@@ -299,6 +299,7 @@ def test_dropping_finished_rows_by_filling_their_slots_changes_no_bit(reusing, m
     params = SamplingParams(max_new_tokens=12, temperature=temperature, seed=3, stop=("a",))  # rows end unevenly
     conversations = [_start(i) for i in range(10)]
     monkeypatch.setattr(reusing, "max_batch_size", 10)
+    monkeypatch.setattr(reusing, "sampler", sampler)
     reordered = []
 
     def filling(keep):
@@ -316,3 +317,26 @@ def test_dropping_finished_rows_by_filling_their_slots_changes_no_bit(reusing, m
     assert any(reordered)   # some batch held its rows out of order
     assert [g.token_ids for g in first] == [g.token_ids for g in second]
     assert [g.logprobs for g in first] == [g.logprobs for g in second]
+
+
+def test_the_nucleus_sampler_is_seeded_and_its_logprobs_are_the_full_samplers(tiny_path, reusing, monkeypatch):
+    """sampler 'nucleus': seeded calls repeat, and each drawn token's logprobs (nucleus and temperature-only)
+    are what the 'full' path computes for that token by its own log-softmax of the same logits."""
+    params = SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.9, seed=11)
+    conversations = [_start(i) for i in range(5)]
+    monkeypatch.setattr(reusing, "sampler", "nucleus")
+    first = reusing.generate(conversations, params)
+    reusing.clear_kv_store()
+    assert [g.token_ids for g in reusing.generate(conversations, params)] == [g.token_ids for g in first]
+    tok = reusing.tokenizer
+    for conversation, g in zip(conversations, first):
+        prompt = tok(tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False),
+                     add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            logits = reusing.model(torch.tensor([prompt + g.token_ids])).logits[0, len(prompt) - 1:-1].double()
+        ids = torch.tensor(g.token_ids)[:, None]
+        temp = (logits / 0.8).log_softmax(-1)
+        nucleus = NucleusWarper(0.9)(None, logits / 0.8).log_softmax(-1)
+        assert bool(torch.isfinite(nucleus.gather(1, ids)).all())   # every token drawn from the nucleus
+        assert torch.allclose(torch.tensor(g.temp_logprobs).double(), temp.gather(1, ids).squeeze(1), atol=1e-4)
+        assert torch.allclose(torch.tensor(g.logprobs).double(), nucleus.gather(1, ids).squeeze(1), atol=1e-4)

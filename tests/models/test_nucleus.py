@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TopPLogitsWarper
 
-from rsiflow.models.hf_backend import NucleusWarper
+from rsiflow.models.hf_backend import NucleusWarper, sample_nucleus
 
 VOCAB = 49_152  # SmolLM2's
 
@@ -84,3 +84,43 @@ def test_the_most_likely_token_is_always_kept():
 def test_rejects_a_top_p_outside_0_1():
     with pytest.raises(ValueError, match="top_p"):
         NucleusWarper(1.5)
+
+
+@pytest.mark.parametrize("spread", [1.0, 4.0])   # a nucleus of hundreds of tokens; a peaked one of a few
+def test_drawing_among_the_nucleus_follows_the_nucleus_distribution(spread):
+    """sample_nucleus draws token i with probability p_i / (nucleus mass), as multinomial over the masked
+    distribution does, and returns exactly that distribution's logprob and the temperature-only one."""
+    torch.manual_seed(0)
+    logits = _logits(1, spread, seed=7)[:, :4096]   # a smaller vocabulary: 20,000 draws stay cheap
+    temperature, top_p, n = 0.8, 0.9, 20_000
+    warped = NucleusWarper(top_p)(None, logits.double() / temperature)
+    nucleus = warped.softmax(-1)[0]
+    draws = [sample_nucleus(logits.expand(2000, -1), temperature, top_p) for _ in range(n // 2000)]
+    tokens, logprobs, temp_logprobs = (torch.cat(x) for x in zip(*draws))
+    assert bool(torch.isfinite(warped[0, tokens]).all())   # every draw is in the nucleus
+    counts = torch.bincount(tokens, minlength=logits.shape[1]).double() / n
+    # total variation from the nucleus: an exact sampler's expected value is ~ sum_i sqrt(p_i / (2 pi n))
+    expected_tv = (nucleus / (2 * torch.pi * n)).sqrt().sum().item()
+    assert (counts - nucleus).abs().sum().item() / 2 < 1.3 * expected_tv + 0.005
+    top = nucleus.argmax()
+    assert abs(counts[top] - nucleus[top]) < 4 * (nucleus[top] * (1 - nucleus[top]) / n) ** 0.5 + 1e-9
+    assert torch.allclose(logprobs.double(), warped.log_softmax(-1)[0, tokens], atol=1e-6)
+    assert torch.allclose(temp_logprobs.double(), (logits.double() / temperature).log_softmax(-1)[0, tokens],
+                          atol=1e-6)
+
+
+def test_drawing_among_the_nucleus_takes_random_numbers_in_the_draw_order():
+    """Rows given in another order draw the same tokens when draw_order names the order to draw them in."""
+    logits = torch.cat([_logits(2, 1.0, seed=8), _logits(2, 6.0, seed=9)])
+    torch.manual_seed(1)
+    expected, _, _ = sample_nucleus(logits, 1.0, 0.95)
+    perm = [2, 0, 3, 1]   # batch position b holds row perm[b]
+    draw_order = sorted(range(4), key=perm.__getitem__)
+    torch.manual_seed(1)
+    got, _, _ = sample_nucleus(logits[perm], 1.0, 0.95, draw_order)
+    assert got.tolist() == expected[perm].tolist()
+
+
+def test_drawing_among_the_nucleus_at_top_p_zero_is_greedy():
+    logits = _logits(3, 2.0, seed=10)
+    assert sample_nucleus(logits, 1.0, 0.0)[0].tolist() == logits.argmax(-1).tolist()
