@@ -178,17 +178,21 @@ def main() -> None:
                     help="with --dtype other than float32: score this many generations with a float32 copy and print "
                     "the sampler/trainer mismatch (0: skip)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the plain-generate baseline (slowest part)")
+    ap.add_argument("--max-live", type=int, default=None,
+                    help="play the episodes in waves of this many (backend.hf.max_live_episodes; default: all at once)")
+    ap.add_argument("--sampler", default="full", choices=["full", "nucleus"], help="backend.hf.sampler")
     args = ap.parse_args()
 
     path = resolve_base_model(args.model, Path(args.cache).expanduser())
-    backend = HFBackend(path, max_batch_size=args.batch, kv_reuse=args.kv_reuse, dtype=args.dtype)
+    backend = HFBackend(path, max_batch_size=args.batch, kv_reuse=args.kv_reuse, dtype=args.dtype,
+                        sampler=args.sampler)
     tasks = make_env("household").sample_tasks("train", args.episodes, args.seed)
     episodes = [Episode(traj_id=f"b{i}", task=t, group_id=t.task_id, sample_idx=0) for i, t in enumerate(tasks)]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=0.95, seed=args.seed)
     rec = Recorder(backend)
     clock = ForwardClock(backend.model)
     t0 = time.perf_counter()
-    run_episodes(lambda: make_env("household"), episodes, rec, params, args.max_turns)
+    run_episodes(lambda: make_env("household"), episodes, rec, params, args.max_turns, max_live=args.max_live)
     engine_s = time.perf_counter() - t0
     clock.remove()
     kept = sum(len(g.token_ids) for _, gens in rec.calls for g in gens)
@@ -202,7 +206,8 @@ def main() -> None:
     prefill = sum(g.extra.get("prefill_tokens", g.prompt_tokens) for _, gens in rec.calls for g in gens) / len(episodes)
     final_ctx = sum(_final_context(backend, e) for e in episodes) / len(episodes)
     print(f"model {args.model}  kv_reuse {args.kv_reuse}  episodes {args.episodes}  max_turns {args.max_turns}  "
-          f"batch {args.batch}  torch threads {torch.get_num_threads()}")
+          f"batch {args.batch}  max_live {args.max_live}  sampler {args.sampler}  "
+          f"torch threads {torch.get_num_threads()}")
     print(f"engine   : {sampled} sampled tokens ({kept} kept) in {engine_s:.2f} s = {engine_rate:.1f} tok/s "
           f"(of which backend.generate {rec.seconds:.2f} s)")
     print(f"baseline : the same {sampled} tokens in {base_s:.2f} s = {base_rate:.1f} tok/s (plain model.generate, same "

@@ -107,6 +107,13 @@ class HFBackendConfig(Section):
         "tokens only (an exponential race): the same distribution and logprobs, other draws for the same seed, "
         "and a sampling step several times cheaper (python -m bench.decode). Greedy decoding is the same either way.",
     )
+    max_live_episodes: int | None = Field(
+        None, ge=1, description="Most episodes the episode runner plays at once; more are played in waves of this "
+        "many, one after the other (null: all at once). With kv_reuse the backend keeps the live conversations' "
+        "keys/values for up to 65,536 tokens in all; the conversations past that are prefilled again in full every "
+        "turn, so a play of hundreds of long episodes slows down turn after turn (192 household episodes: the 8th "
+        "turn ~15x the first). Set it to about 65,536 / the longest context an episode reaches (household: 40).",
+    )
 
 
 class VLLMBackendConfig(Section):

@@ -128,6 +128,7 @@ def run_episodes(
     few_shot: bool = True,
     project: bool = False,
     on_turn: Callable[[int, int], None] | None = None,
+    max_live: int | None = None,
 ) -> list[Episode]:
     """Play `episodes` (fresh Episode objects naming their task) to the end, in lockstep.
 
@@ -136,7 +137,42 @@ def run_episodes(
     in `Turn.raw_text`, and the conversation continues with the executed action).
     `on_turn(tokens_generated_this_turn, live_episodes)` is called after every batched turn
     (progress bars). Returns the same Episode objects, filled in.
+
+    `max_live` (default: the backend's `max_live_episodes` attribute, where it has one; None = no limit): at most
+    this many episodes play at once; more are played in waves of that many consecutive episodes, one wave after
+    the other (`waves`). A backend that keeps each live conversation's keys/values between turns (hf with
+    kv_reuse) has room for so many tokens; past it, the conversations it could not keep are prefilled again in
+    full every turn. Each later wave's calls are seeded apart from the first's (`wave_params`), so no two waves
+    draw the same random numbers.
     """
+    limit = max_live if max_live is not None else getattr(backend, "max_live_episodes", None)
+    for w, wave in enumerate(waves(episodes, limit)):
+        _lockstep(make_env, wave, backend, wave_params(params, w), max_turns, show_admissible, few_shot, project,
+                  on_turn)
+    return episodes
+
+
+WAVE_SEED_STRIDE = 104_729  # a prime: wave w of a seeded play samples with seed + w * stride
+
+
+def waves(episodes: list[Episode], max_live: int | None) -> list[list[Episode]]:
+    """`episodes` cut into consecutive waves of at most `max_live` (one wave when None)."""
+    if not max_live or len(episodes) <= max_live:
+        return [episodes]
+    return [episodes[i:i + max_live] for i in range(0, len(episodes), max_live)]
+
+
+def wave_params(params: SamplingParams, wave: int) -> SamplingParams:
+    """The sampling parameters of wave `wave`: the first keeps the seed, later ones shift it (unseeded: as given)."""
+    if wave == 0 or params.seed is None:
+        return params
+    return SamplingParams(**{**params.__dict__, "seed": (params.seed + wave * WAVE_SEED_STRIDE) % (2**31)})
+
+
+def _lockstep(make_env: Callable[[], Env], episodes: list[Episode], backend: GenerationBackend,
+              params: SamplingParams, max_turns: int, show_admissible: bool, few_shot: bool, project: bool,
+              on_turn: Callable[[int, int], None] | None) -> list[Episode]:
+    """`run_episodes` of one wave: every episode in each batched call until all have ended."""
     params = SamplingParams(**{**params.__dict__, "stop": tuple(params.stop) or ACTION_STOP})
     envs: list[Env | None] = []
     start = time.perf_counter()

@@ -105,9 +105,12 @@ class HFBackend:
     def __init__(self, model_path: str | Path, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, dtype: str = "float32",
                  device: str | None = None, kv_reuse: bool = False,
                  kv_store_max_tokens: int = DEFAULT_KV_STORE_MAX_TOKENS, trust_remote_code: bool = False,
-                 sampler: str = "full"):
+                 sampler: str = "full", max_live_episodes: int | None = None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_live_episodes is not None and max_live_episodes < 1:
+            raise ValueError(f"max_live_episodes must be >= 1 or None, got {max_live_episodes}")
+        self.max_live_episodes = max_live_episodes   # read by the episode runner (envs.rollout.run_episodes)
         if sampler not in ("full", "nucleus"):
             raise ValueError(f"sampler must be 'full' or 'nucleus', got {sampler!r}")
         self.sampler = sampler

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from rsiflow.configs.schema import Config
-from rsiflow.envs.rollout import Episode, play_episodes
+from rsiflow.envs.rollout import Episode, play_episodes, waves
 from rsiflow.models.backend import backend_for
 from rsiflow.stores.store import Store
 
@@ -118,7 +118,7 @@ class TurnProgress:
 def play(cfg: Config, backend, episodes: list[Episode], temperature: float, seed: int, desc: str,
          temp_logprobs: bool = True, make_env=None) -> list[Episode]:
     """`envs.rollout.play_episodes` with a progress bar (tqdm and the UI's progress artifact) named `desc`."""
-    bar = TurnProgress(desc, cfg.env.max_turns)
+    bar = TurnProgress(desc, cfg.env.max_turns * len(waves(episodes, getattr(backend, "max_live_episodes", None))))
     try:
         return play_episodes(cfg, backend, episodes, temperature, seed, make_env=make_env, on_turn=bar,
                              temp_logprobs=temp_logprobs)

@@ -28,6 +28,7 @@ class CallLog:
 
     def generate(self, conversations, params, tools=None):
         self.batches.append(len(conversations))
+        self.seeds = [*getattr(self, "seeds", []), params.seed]
         self.tools = tools
         return self.inner.generate(conversations, params, tools=tools)
 
@@ -114,3 +115,24 @@ def test_the_env_tools_reach_the_backend(backend):
                 for i, t in enumerate(env.sample_tasks("train", 2, 0))]
     run_episodes(ToolUseEnv, episodes, log, SamplingParams(max_new_tokens=4, temperature=0.0), max_turns=1)
     assert log.tools == env.tools() and log.tools
+
+
+def test_more_episodes_than_max_live_play_in_waves_seeded_apart(backend):
+    """max_live 4 over 6 episodes: a wave of 4 then one of 2, each played to its end before the next starts; the
+    second wave's calls take another seed; every episode is played. The backend's max_live_episodes is the
+    default limit."""
+    from rsiflow.envs.rollout import WAVE_SEED_STRIDE, waves
+
+    tasks = make_env("household").sample_tasks("train", 3, seed=0)
+    log = CallLog(backend)
+    eps = run_episodes(lambda: make_env("household"), episodes_for(tasks), log,
+                       SamplingParams(max_new_tokens=6, temperature=1.0, seed=5), max_turns=2, max_live=4)
+    assert log.batches == [4, 4, 2, 2]
+    assert log.seeds == [5, 5, 5 + WAVE_SEED_STRIDE, 5 + WAVE_SEED_STRIDE]
+    assert all(len(e.turns) == 2 and not e.live for e in eps)
+    log.max_live_episodes = 5
+    log.batches = []
+    run_episodes(lambda: make_env("household"), episodes_for(tasks), log,
+                 SamplingParams(max_new_tokens=6, temperature=1.0, seed=5), max_turns=1)
+    assert log.batches == [5, 1]
+    assert [len(w) for w in waves(list(range(7)), 3)] == [3, 3, 1] and waves([1, 2], None) == [[1, 2]]
