@@ -182,12 +182,19 @@ class HeldoutPlays:
         return hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
 
     def _resume(self) -> None:
+        log = logging.getLogger(__name__)
+        if not self.checkpoint.exists():
+            return
         try:
             with open(self.checkpoint, "rb") as f:
                 saved = pickle.load(f)
-        except (OSError, EOFError, pickle.UnpicklingError):  # none, or unreadable: play from the start
+        except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError) as err:
+            log.warning("%s: saved held-out plays not readable (%s: %s); playing them from the start",
+                        self.checkpoint, type(err).__name__, err)
             return
-        if saved.get("key") != self._key():
+        if not isinstance(saved, dict) or saved.get("key") != self._key():
+            log.warning("%s: saved held-out plays were made with other settings (tasks, seeds, weights, env, backend "
+                        "or dtypes); playing them from the start", self.checkpoint)
             return
         for name in ("greedy", "sampled", "played", "played_sampled"):
             for m, v in saved[name].items():

@@ -46,12 +46,15 @@ def test_instrument_finds_every_function_it_times():
 
 @pytest.mark.slow
 def test_bench_round_on_tiny(tmp_path):
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONPATH": str(REPO)}
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONPATH": str(REPO),
+           "TMPDIR": str(tmp_path / "tmp")}
     env.pop("PREFECT_API_URL", None)
     res = subprocess.run([sys.executable, "-m", "bench.round", "--config", TINY, "--store", str(tmp_path / "s.duckdb"),
                           "--run-dir", str(tmp_path / "runs")], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert not list((tmp_path / "tmp").glob("rsiflow-bench-round-*"))   # its temporary folder is removed
     out = res.stdout
     wall, attributed = map(float, re.search(r"wall ([\d.]+) s \(attributed ([\d.]+) s\)", out).groups())
     assert attributed == pytest.approx(wall, rel=0.02)

@@ -62,10 +62,13 @@ def test_a_stopped_gate_resumes_its_plays(cfg, tiny_path, tmp_path, monkeypatch)
     assert not checkpoint.exists()
 
 
-def test_other_settings_start_the_plays_over(cfg, tiny_path, tmp_path):
+def test_other_settings_start_the_plays_over(cfg, tiny_path, tmp_path, caplog):
     checkpoint = tmp_path / "gate.pkl"
     _plays(cfg, tiny_path, checkpoint).play_first(2)
     assert _plays(cfg, tiny_path, checkpoint).resumed == 2 * (2 + 4)
+    assert not caplog.records
     assert _plays(cfg, tiny_path, checkpoint, seed=2).resumed == 0      # another greedy seed
+    assert "made with other settings" in caplog.text                   # said, not silent
     checkpoint.write_bytes(b"cut short")
     assert _plays(cfg, tiny_path, checkpoint).resumed == 0              # unreadable: from the start
+    assert "not readable (UnpicklingError" in caplog.text or "not readable (EOFError" in caplog.text
