@@ -181,11 +181,14 @@ def main() -> None:
     ap.add_argument("--max-live", type=int, default=None,
                     help="play the episodes in waves of this many (backend.hf.max_live_episodes; default: all at once)")
     ap.add_argument("--sampler", default="full", choices=["full", "nucleus"], help="backend.hf.sampler")
+    ap.add_argument("--kv-store-tokens", type=int, default=None,
+                    help="the hf backend's room for keys/values kept between calls, in tokens (default 65,536)")
     args = ap.parse_args()
 
     path = resolve_base_model(args.model, Path(args.cache).expanduser())
     backend = HFBackend(path, max_batch_size=args.batch, kv_reuse=args.kv_reuse, dtype=args.dtype,
-                        sampler=args.sampler)
+                        sampler=args.sampler,
+                        **({"kv_store_max_tokens": args.kv_store_tokens} if args.kv_store_tokens is not None else {}))
     tasks = make_env("household").sample_tasks("train", args.episodes, args.seed)
     episodes = [Episode(traj_id=f"b{i}", task=t, group_id=t.task_id, sample_idx=0) for i, t in enumerate(tasks)]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=0.95, seed=args.seed)

@@ -155,11 +155,15 @@ def run_episodes(
 WAVE_SEED_STRIDE = 104_729  # a prime: wave w of a seeded play samples with seed + w * stride
 
 
-def waves(episodes: list[Episode], max_live: int | None) -> list[list[Episode]]:
-    """`episodes` cut into consecutive waves of at most `max_live` (one wave when None)."""
+def waves(episodes: list, max_live: int | None) -> list[list]:
+    """`episodes` cut into as few consecutive waves of at most `max_live` as there can be, of sizes as equal as
+    they can be (128 at 40: 4 of 32, not 40, 40, 40 and 8); one wave when None."""
     if not max_live or len(episodes) <= max_live:
         return [episodes]
-    return [episodes[i:i + max_live] for i in range(0, len(episodes), max_live)]
+    n = -(-len(episodes) // max_live)
+    size, extra = divmod(len(episodes), n)
+    bounds = [i * size + min(i, extra) for i in range(n + 1)]
+    return [episodes[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def wave_params(params: SamplingParams, wave: int) -> SamplingParams:

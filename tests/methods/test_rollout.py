@@ -118,7 +118,7 @@ def test_the_env_tools_reach_the_backend(backend):
 
 
 def test_more_episodes_than_max_live_play_in_waves_seeded_apart(backend):
-    """max_live 4 over 6 episodes: a wave of 4 then one of 2, each played to its end before the next starts; the
+    """max_live 4 over 6 episodes: two waves of 3, each played to its end before the next starts; the
     second wave's calls take another seed; every episode is played. The backend's max_live_episodes is the
     default limit."""
     from rsiflow.envs.rollout import WAVE_SEED_STRIDE, waves
@@ -127,12 +127,14 @@ def test_more_episodes_than_max_live_play_in_waves_seeded_apart(backend):
     log = CallLog(backend)
     eps = run_episodes(lambda: make_env("household"), episodes_for(tasks), log,
                        SamplingParams(max_new_tokens=6, temperature=1.0, seed=5), max_turns=2, max_live=4)
-    assert log.batches == [4, 4, 2, 2]
+    assert log.batches == [3, 3, 3, 3]
     assert log.seeds == [5, 5, 5 + WAVE_SEED_STRIDE, 5 + WAVE_SEED_STRIDE]
     assert all(len(e.turns) == 2 and not e.live for e in eps)
-    log.max_live_episodes = 5
+    log.max_live_episodes = 2
     log.batches = []
     run_episodes(lambda: make_env("household"), episodes_for(tasks), log,
                  SamplingParams(max_new_tokens=6, temperature=1.0, seed=5), max_turns=1)
-    assert log.batches == [5, 1]
-    assert [len(w) for w in waves(list(range(7)), 3)] == [3, 3, 1] and waves([1, 2], None) == [[1, 2]]
+    assert log.batches == [2, 2, 2]
+    assert [len(w) for w in waves(list(range(7)), 3)] == [3, 2, 2] and waves([1, 2], None) == [[1, 2]]
+    assert [len(w) for w in waves(list(range(128)), 40)] == [32] * 4 and sum(waves(list(range(9)), 4), []) == list(
+        range(9))
