@@ -27,7 +27,7 @@ report reads, in a few kilobytes. The store and the checkpoints stay out of vers
 committed, so a comparison longer than one machine session continues on a fresh checkout: a run with a record
 of all its rounds is skipped, and the report reads it from the record when the store lacks it. A run cut off
 before its end continues there too with --pack: each time one of its rounds completes, its rows up to that round
-are written to <out>/packs/<run>.duckdb.gz (~1 MB a household round); commit the packs, and the same command on
+are written to <out>/packs/<run>.duckdb.gz (~0.3 MB a household round); commit the packs, and the same command on
 the fresh checkout merges them into its store first and resumes after the packed rounds (the round that was in
 progress starts again). A finished run's pack is removed (its record replaces it). Packs carry rows, not
 checkpoints: a run whose champion is a trained candidate is not packed (copy its runs/ folder instead).
@@ -210,7 +210,7 @@ def write_pack(out: Path, run_id: str, wait_s: float = 30.0) -> Path | None:
     """Write `run_id`'s completed rounds from <out>/compare.duckdb to <out>/packs/<run_id>.duckdb.gz: every row
     of the run in a round up to its last completed one (round 0 is its start), none of a round in progress (its
     checkpoints stay behind on this machine) and no lease. A store of its own, gzipped (a round of 128 household
-    episodes packs to ~1 MB), so a run longer than one machine session continues on a fresh checkout: the next
+    episodes packed to ~0.3 MB), so a run longer than one machine session continues on a fresh checkout: the next
     `bench.compare` there merges the pack into its store and resumes after the packed rounds. None when the run
     has no completed round. A run whose champion is a trained checkpoint cannot be packed (the pack carries rows,
     not weights): ValueError, naming the checkpoint."""
