@@ -202,6 +202,16 @@ def write_record(out: Path, run_id: str) -> Path:
 
 # ---- packs: an unfinished run's completed rounds, carried to another checkout ----------------------
 
+def run_tables(con, catalog: str) -> dict[str, set[str]]:
+    """The tables of the attached database `catalog` on the DuckDB connection `con` that hold rows per run (a
+    `run_id` column), each with its column names."""
+    columns: dict[str, set[str]] = {}
+    for table, column in con.execute("SELECT table_name, column_name FROM information_schema.columns"
+                                     " WHERE table_catalog = ? AND table_schema = 'main'", [catalog]).fetchall():
+        columns.setdefault(table, set()).add(column)
+    return {t: cols for t, cols in columns.items() if "run_id" in cols}
+
+
 def pack_path(out: Path, run_id: str) -> Path:
     return out / "packs" / f"{run_id}.duckdb.gz"
 
@@ -238,14 +248,9 @@ def write_pack(out: Path, run_id: str, wait_s: float = 30.0) -> Path | None:
     con = duckdb.connect(str(tmp_db))
     try:
         con.execute(f"ATTACH '{source}' AS src (READ_ONLY)")
-        columns: dict[str, set[str]] = {}
-        for table, column in con.execute(
-                "SELECT table_name, column_name FROM information_schema.columns"
-                " WHERE table_catalog = 'src' AND table_schema = 'main'").fetchall():
-            columns.setdefault(table, set()).add(column)
         con.begin()
-        for table, cols in sorted(columns.items()):
-            if "run_id" not in cols or table == "leases":
+        for table, cols in sorted(run_tables(con, "src").items()):
+            if table == "leases":
                 continue
             cut = " AND round <= ?" if "round" in cols else ""
             con.execute(f'INSERT INTO main."{table}" BY NAME SELECT * FROM src."{table}" WHERE run_id = ?{cut}',
@@ -389,14 +394,8 @@ def merge_runs(out: Path, sources: list[Path]) -> list[str]:
         return con.execute(f"SELECT coalesce(max(round), -1) FROM {db}.rounds"
                            " WHERE run_id = ? AND status = 'completed'", [run_id]).fetchall()[0][0]
 
-    def run_tables(db: str) -> set[str]:
-        """The tables of the attached database `db` that hold rows per run (a `run_id` column)."""
-        return {t for (t,) in con.execute(
-            "SELECT DISTINCT table_name FROM information_schema.columns WHERE table_catalog = ?"
-            " AND table_schema = 'main' AND column_name = 'run_id'", [db]).fetchall()}
-
     try:
-        tables = sorted(run_tables(con.execute("SELECT current_database()").fetchall()[0][0]))
+        tables = sorted(run_tables(con, con.execute("SELECT current_database()").fetchall()[0][0]))
         for i, src in enumerate(sources):
             path = Path(src) / "compare.duckdb" if Path(src).is_dir() else Path(src)
             if not path.is_file():
@@ -404,7 +403,7 @@ def merge_runs(out: Path, sources: list[Path]) -> list[str]:
             alias = f"src{i}"
             con.execute(f"ATTACH '{path}' AS {alias} (READ_ONLY)")
             # A store written by older code lacks the tables of later migrations: its runs have no rows there.
-            has = run_tables(alias)
+            has = run_tables(con, alias)
             for (run_id,) in con.execute(f"SELECT run_id FROM {alias}.runs ORDER BY run_id").fetchall():
                 exists = con.execute("SELECT count(*) FROM main.runs WHERE run_id = ?", [run_id]).fetchall()[0][0]
                 if exists and done("main", run_id) >= done(alias, run_id):
