@@ -35,23 +35,52 @@ def heldout_changed(plays, candidate: str, champion: str, n: int) -> dict:
     return {"tasks": n, "changed": sum(changed), "share": sum(changed) / n if n else None}
 
 
+def shared_prefix(sequences: list[list[int]], limit: int) -> int:
+    """The length of the longest token prefix all `sequences` share, at most `limit`."""
+    n = min([limit, *map(len, sequences)])
+    for seq in sequences[1:]:
+        n = next((i for i, (a, b) in enumerate(zip(seq[:n], sequences[0][:n])) if a != b), n)
+    return n
+
+
 @torch.no_grad()
 def _action_logprobs(path: str, dtype: str, conversations: list[tuple[list[dict], int]],
-                     trust_remote_code: bool) -> list[torch.Tensor]:
-    """Per conversation, the log-softmax over the vocabulary at every labelled (own action) token's position."""
+                     trust_remote_code: bool, reuse_prefix: bool = True) -> list[torch.Tensor]:
+    """Per conversation, the log-softmax over the vocabulary at every labelled (own action) token's position.
+
+    The token prefix all conversations share (an env's system prompt and few-shot turns: ~470 of a household
+    episode's ~1,000-1,400 tokens) is encoded once and its keys/values reused for each conversation, and the
+    vocabulary projection runs at the labelled positions only. The same figures as one full forward pass a
+    conversation up to rounding (`reuse_prefix=False` runs those, as a baseline for `bench.diagnostics`)."""
+    import copy
+
+    from transformers import DynamicCache
+
     from rsiflow.models.encoding import tokenize_conversation
     from rsiflow.models.loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(path, dtype=dtype, trust_remote_code=trust_remote_code)
-    out = []
-    for messages, train_from in conversations:
-        enc = tokenize_conversation(tokenizer, messages, train_from)
-        positions = [i for i, lab in enumerate(enc["labels"]) if lab != -100]
-        if not positions:
-            out.append(torch.empty(0, model.config.vocab_size))
-            continue
-        logits = model(input_ids=torch.tensor([enc["input_ids"]])).logits[0].float()
-        out.append(torch.log_softmax(logits[[p - 1 for p in positions]], dim=-1))
+    encoded = [tokenize_conversation(tokenizer, messages, train_from) for messages, train_from in conversations]
+    ids = [e["input_ids"] for e in encoded]
+    # logits at p - 1 predict the labelled token at p
+    targets = [[i - 1 for i, lab in enumerate(e["labels"]) if lab != -100] for e in encoded]
+    scored = [i for i, t in enumerate(targets) if t]
+    # each conversation must still feed the position before its first labelled token
+    cut = shared_prefix([ids[i] for i in scored], min((targets[i][0] for i in scored), default=0)) \
+        if reuse_prefix and len(scored) > 1 else 0
+    prefix = None
+    if cut:
+        prefix = DynamicCache(config=model.config)
+        model(input_ids=torch.tensor([ids[scored[0]][:cut]]), cache=prefix, use_cache=True, logits_to_keep=1)
+    out = [torch.empty(0, model.config.vocab_size) for _ in conversations]
+    for i in scored:
+        keep = torch.tensor([t - cut for t in targets[i]])
+        if prefix is None:
+            logits = model(input_ids=torch.tensor([ids[i]]), logits_to_keep=keep).logits[0]
+        else:
+            logits = model(input_ids=torch.tensor([ids[i][cut:]]), cache=copy.deepcopy(prefix), use_cache=True,
+                           logits_to_keep=keep).logits[0]
+        out[i] = torch.log_softmax(logits.float(), dim=-1)
     del model
     return out
 

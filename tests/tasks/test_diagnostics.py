@@ -47,3 +47,36 @@ def test_two_different_models_differ(cfg, tiny_path, model_cache):
     d = _diagnostics(cfg, other, tiny_path)
     assert d["kl"]["mean"] > 0.01
     assert d["heldout_changed"]["changed"] >= 1
+
+
+def test_action_logprobs_reusing_the_shared_prefix_equal_full_forward_passes(tiny_path):
+    """The shared prompt is encoded once and only labelled positions are projected; the figures are those of one
+    full forward pass a conversation (computed here independently), also for a conversation with nothing to
+    score and one whose answer starts right after the shared prefix."""
+    import torch
+
+    from rsiflow.models.encoding import tokenize_conversation
+    from rsiflow.models.loading import load_model_and_tokenizer
+    from rsiflow.tasks.diagnostics import _action_logprobs, shared_prefix
+
+    system = {"role": "system", "content": "You are in a house. Act with one command a turn. " * 8}
+    convs = [([system, {"role": "user", "content": f"Task {k}: put the {thing} in the fridge."},
+               {"role": "assistant", "content": f"go to {place}"}, {"role": "user", "content": "You arrive."},
+               {"role": "assistant", "content": f"take {thing}"}], 2)
+             for k, (thing, place) in enumerate([("apple", "table 1"), ("egg", "counter 2"), ("mug", "shelf 3")])]
+    convs.append(([system, {"role": "user", "content": "Task 9: look around."}], 0))  # nothing labelled
+    convs.append(([system, {"role": "user", "content": "Task 7: open the drawer."},
+                   {"role": "assistant", "content": "open drawer 1"}], 2))
+    got = _action_logprobs(str(tiny_path), "float32", convs, False)
+    model, tokenizer = load_model_and_tokenizer(str(tiny_path), dtype="float32")
+    assert shared_prefix([tokenize_conversation(tokenizer, m, t)["input_ids"] for m, t in convs], 10_000) > 50
+    for (messages, train_from), lp in zip(convs, got):
+        enc = tokenize_conversation(tokenizer, messages, train_from)
+        positions = [i - 1 for i, lab in enumerate(enc["labels"]) if lab != -100]
+        assert lp.shape == (len(positions), model.config.vocab_size)
+        if positions:
+            with torch.no_grad():
+                full = torch.log_softmax(model(input_ids=torch.tensor([enc["input_ids"]])).logits[0, positions], -1)
+            torch.testing.assert_close(lp, full, atol=2e-4, rtol=1e-4)
+    assert [len(x) for x in _action_logprobs(str(tiny_path), "float32", convs, False, reuse_prefix=False)] \
+        == [len(x) for x in got]
