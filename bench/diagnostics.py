@@ -25,7 +25,8 @@ from bench import roofline
 from bench.train import expert_rows
 from rsiflow.models.encoding import tokenize_conversation
 from rsiflow.models.loading import load_model_and_tokenizer, resolve_base_model
-from rsiflow.tasks.diagnostics import _action_logprobs, shared_prefix
+from rsiflow.models.shared_prefix import shared_prefix_length
+from rsiflow.tasks.diagnostics import _action_logprobs
 
 
 @torch.no_grad()
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     tokens = sum(len(e["input_ids"]) for e in encoded)
     labelled = sum(lab != -100 for e in encoded for lab in e["labels"])
     first = min(next(i for i, lab in enumerate(e["labels"]) if lab != -100) for e in encoded)
-    shared = shared_prefix([e["input_ids"] for e in encoded], first - 1)
+    shared = shared_prefix_length([e["input_ids"] for e in encoded], first - 1)
     limit = roofline.matmul_flops(model) / roofline.flops_per_token(model)
 
     def best(fn) -> tuple[float, list[torch.Tensor]]:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from rsiflow.models.collate import pad
+
 # A shared prefix shorter than this is not worth a second forward call.
 MIN_SHARED_PREFIX = 32
 
@@ -32,6 +34,15 @@ def common_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, most: i
     same = (input_ids == input_ids[:1]).all(0) & attention_mask.bool().all(0)
     n = int(same[:most].long().cumprod(0).sum())
     return n if n >= MIN_SHARED_PREFIX else 0
+
+
+def shared_prefix_length(sequences: list[list[int]], most: int) -> int:
+    """`common_prefix` of token sequences of any lengths: the leading tokens all of them share (at most `most`);
+    0 when fewer than MIN_SHARED_PREFIX or a single sequence."""
+    if len(sequences) < 2:
+        return 0
+    ids = pad(sequences, -1)
+    return common_prefix(ids, ids >= 0, min(most, *map(len, sequences)))
 
 
 def _run_on_prefix(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix: int, logits_to_keep: int):

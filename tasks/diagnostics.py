@@ -24,6 +24,7 @@ import torch
 
 from rsiflow.envs.rollout import Episode, env_factory, round_seed
 from rsiflow.models.backend import backend_for
+from rsiflow.models.shared_prefix import shared_prefix_length
 from rsiflow.stats.gating import sign_flip_pvalue
 from rsiflow.tasks.common import open_store, play
 
@@ -33,14 +34,6 @@ def heldout_changed(plays, candidate: str, champion: str, n: int) -> dict:
     changed = [plays.greedy[candidate][i].get("actions") != plays.greedy[champion][i].get("actions")
                for i in range(n)]
     return {"tasks": n, "changed": sum(changed), "share": sum(changed) / n if n else None}
-
-
-def shared_prefix(sequences: list[list[int]], limit: int) -> int:
-    """The length of the longest token prefix all `sequences` share, at most `limit`."""
-    n = min([limit, *map(len, sequences)])
-    for seq in sequences[1:]:
-        n = next((i for i, (a, b) in enumerate(zip(seq[:n], sequences[0][:n])) if a != b), n)
-    return n
 
 
 @torch.no_grad()
@@ -66,8 +59,8 @@ def _action_logprobs(path: str, dtype: str, conversations: list[tuple[list[dict]
     targets = [[i - 1 for i, lab in enumerate(e["labels"]) if lab != -100] for e in encoded]
     scored = [i for i, t in enumerate(targets) if t]
     # each conversation must still feed the position before its first labelled token
-    cut = shared_prefix([ids[i] for i in scored], min((targets[i][0] for i in scored), default=0)) \
-        if reuse_prefix and len(scored) > 1 else 0
+    cut = shared_prefix_length([ids[i] for i in scored], min((targets[i][0] for i in scored), default=0)) \
+        if reuse_prefix else 0
     prefix = None
     if cut:
         prefix = DynamicCache(config=model.config)

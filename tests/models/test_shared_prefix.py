@@ -4,7 +4,13 @@ rounding), in both layouts the trainers use; and training with it follows the sa
 import torch
 
 from rsiflow.models.loading import load_model_and_tokenizer
-from rsiflow.models.shared_prefix import MIN_SHARED_PREFIX, common_prefix, completion_logps, shared_prefix_logits
+from rsiflow.models.shared_prefix import (
+    MIN_SHARED_PREFIX,
+    common_prefix,
+    completion_logps,
+    shared_prefix_length,
+    shared_prefix_logits,
+)
 
 PREFIX = list(range(100, 100 + 2 * MIN_SHARED_PREFIX))      # 64 shared tokens (a few-shot prompt stands in)
 OWN = [[7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20, 21], [22, 23, 24, 25]]
@@ -50,6 +56,14 @@ def test_nothing_shared_below_the_minimum_or_with_one_row():
     assert common_prefix(ids, mask, 100) == 0
     ids, mask = _right_padded([PREFIX + own for own in OWN])
     assert common_prefix(ids, mask, 40) == 40 and common_prefix(ids, mask, 1000) == len(PREFIX)
+
+
+def test_shared_prefix_length_of_token_lists():
+    rows = [PREFIX + own for own in OWN]
+    assert shared_prefix_length(rows, 1000) == len(PREFIX) and shared_prefix_length(rows, 40) == 40
+    assert shared_prefix_length([PREFIX + [1], PREFIX], 1000) == len(PREFIX)   # one row is all prefix
+    assert shared_prefix_length([PREFIX[:10] + own for own in OWN], 1000) == 0
+    assert shared_prefix_length(rows[:1], 1000) == 0
 
 
 def test_completion_logps_match_the_plain_left_padded_forward(tiny_path):

@@ -57,7 +57,8 @@ def test_action_logprobs_reusing_the_shared_prefix_equal_full_forward_passes(tin
 
     from rsiflow.models.encoding import tokenize_conversation
     from rsiflow.models.loading import load_model_and_tokenizer
-    from rsiflow.tasks.diagnostics import _action_logprobs, shared_prefix
+    from rsiflow.models.shared_prefix import shared_prefix_length
+    from rsiflow.tasks.diagnostics import _action_logprobs
 
     system = {"role": "system", "content": "You are in a house. Act with one command a turn. " * 8}
     convs = [([system, {"role": "user", "content": f"Task {k}: put the {thing} in the fridge."},
@@ -69,7 +70,7 @@ def test_action_logprobs_reusing_the_shared_prefix_equal_full_forward_passes(tin
                    {"role": "assistant", "content": "open drawer 1"}], 2))
     got = _action_logprobs(str(tiny_path), "float32", convs, False)
     model, tokenizer = load_model_and_tokenizer(str(tiny_path), dtype="float32")
-    assert shared_prefix([tokenize_conversation(tokenizer, m, t)["input_ids"] for m, t in convs], 10_000) > 50
+    assert shared_prefix_length([tokenize_conversation(tokenizer, m, t)["input_ids"] for m, t in convs], 10_000) > 50
     for (messages, train_from), lp in zip(convs, got):
         enc = tokenize_conversation(tokenizer, messages, train_from)
         positions = [i - 1 for i, lab in enumerate(enc["labels"]) if lab != -100]
