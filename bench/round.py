@@ -1,4 +1,4 @@
-"""Where a round's wall time goes: generation, env, training, store, Prefect, the rest.
+"""Where a round's wall time goes: generation, env, training, diagnostics, store, Prefect, the rest.
 
     python -m bench.round [--config configs/default.yaml ...] [--set key=val ...] [--rounds 1] [--cprofile FILE]
 
@@ -10,6 +10,8 @@ by wrapping functions from outside (no pipeline code changes):
     model load  HFBackend construction and weight loads (redeploy included), resolving the base checkpoint
     env         the env class's methods (reset, step, admissible actions, hindsight, sampling tasks, ...)
     train       models.trainer.train_candidate (TRL SFTTrainer: dataset, steps, saving the checkpoint)
+    diagnostics the gate's KL diagnostic scoring held-out episodes under both models (tasks.diagnostics:
+                model loads and forward passes; its replay of training tasks plays through generate)
     store       Store methods, its step transactions (enter/exit), and SQL through `store.con`
     report      the per-round table and PNG plot the deploy step writes (tasks.report)
     prefect     everything outside the flow and task bodies (the flow/task engines, state and
@@ -58,7 +60,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # a loaded machine starts it slowly
 
 REPO = Path(__file__).resolve().parents[1]
-CATEGORIES = ("generate", "model load", "env", "train", "store", "report", "prefect", "other")
+CATEGORIES = ("generate", "model load", "env", "train", "diagnostics", "store", "report", "prefect", "other")
 
 
 class Attribution:
@@ -165,6 +167,7 @@ def instrument(env_name: str) -> None:
     import rsiflow.models.loading as loading
     import rsiflow.models.trainer as trainer
     import rsiflow.tasks.deploy as deploy
+    import rsiflow.tasks.diagnostics as diagnostics
     import rsiflow.tasks.report as report
     from rsiflow.envs import make_env
     from rsiflow.flows.round import STEP_TASKS, improvement_round
@@ -177,6 +180,7 @@ def instrument(env_name: str) -> None:
     # tasks/setup.py imports it from loading when a run starts, so the one patch covers both callers
     patch(loading, "resolve_base_model", "model load")
     patch(trainer, "train_candidate", "train")
+    patch(diagnostics, "_action_logprobs", "diagnostics")
 
     env_cls = type(make_env(env_name))
     for name in ("__init__", "reset", "step", "admissible_actions", "hindsight", "canonicalize", "sample_tasks",

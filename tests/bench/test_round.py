@@ -36,8 +36,10 @@ def test_instrument_finds_every_function_it_times():
     in a few seconds, instead of in the slow tier's tiny round). A subprocess: the patches are process-wide."""
     code = ("from bench.round import instrument\n"
             "import rsiflow.models.loading as loading, rsiflow.models.hf_backend as hb\n"
+            "import rsiflow.tasks.diagnostics as diagnostics\n"
             "instrument('household')\n"
-            "assert loading.resolve_base_model.__bench_wrapped__ and hb.HFBackend.generate.__bench_wrapped__\n")
+            "assert loading.resolve_base_model.__bench_wrapped__ and hb.HFBackend.generate.__bench_wrapped__\n"
+            "assert diagnostics._action_logprobs.__bench_wrapped__\n")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=300)
