@@ -155,6 +155,13 @@ def _final_test_missing(store_path: Path, run_id: str) -> bool:
         return stored_final_test(store, run_id) is None
 
 
+def _finished(store_path: Path, run_id: str, rounds: int | None) -> bool:
+    """Whether the run has completed `rounds` rounds and its final test split is stored (a run configured without
+    one counts as unfinished: packing it again is harmless)."""
+    return rounds is not None and _completed_rounds(store_path, run_id) >= rounds \
+        and not _final_test_missing(store_path, run_id)
+
+
 def _wants_final_test(args, arm: Arm, seed: int, out: Path) -> bool:
     """Whether the run's config asks for a final test split (gate.test_tasks)."""
     from rsiflow.configs.loader import load_config
@@ -853,9 +860,13 @@ def main(argv: list[str] | None = None) -> None:
             arm_names, seeds = [a["name"] for a in manifest["arms"]], manifest["seeds"]
         else:
             arm_names = [a.name for a in arms]
-        if args.pack:
+        if args.pack:  # the unfinished runs only: rounds missing, or the final test split (a finished run's record
+            rounds = args.rounds if args.rounds is not None else (manifest or {}).get("rounds")  # replaces its pack)
+            store = out / "compare.duckdb"
             for name in (run_name(a, s) for s in seeds for a in arm_names):
-                if read_record(out, name) is None and (path := write_pack(out, name)) is not None:
+                if _finished(store, name, rounds):
+                    pack_path(out, name).unlink(missing_ok=True)
+                elif (path := write_pack(out, name)) is not None:
                     print(f"bench.compare: packed {name} to {path}")
         print(report(out, arm_names, seeds))
         return

@@ -93,6 +93,18 @@ def test_pack_carries_completed_rounds_to_a_fresh_store(tmp_path):
         assert m.rows("SELECT count(*) AS n FROM leases")[0]["n"] == 0
 
 
+def test_a_run_is_finished_with_all_its_rounds_and_its_final_test(tmp_path, monkeypatch):
+    """--report-only --pack packs only unfinished runs (a merged, finished run got a pack once)."""
+    import bench.compare as bc
+
+    store = tmp_path / "here" / "compare.duckdb"
+    _run_store(store)   # rounds 0 and 1 completed
+    assert not bc._finished(store, "a-s0", 2) and not bc._finished(store, "a-s0", None)
+    assert not bc._finished(store, "a-s0", 1)        # no final test split stored
+    monkeypatch.setattr(bc, "_final_test_missing", lambda *_: False)
+    assert bc._finished(store, "a-s0", 1) and not bc._finished(store, "a-s0", 2)
+
+
 def test_pack_refuses_a_trained_champion_and_a_run_without_rounds(tmp_path):
     from bench.compare import write_pack
     from rsiflow.stores.store import Store
