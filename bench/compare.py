@@ -860,8 +860,9 @@ def main(argv: list[str] | None = None) -> None:
             arm_names, seeds = [a["name"] for a in manifest["arms"]], manifest["seeds"]
         else:
             arm_names = [a.name for a in arms]
-        if args.pack:  # the unfinished runs only: rounds missing, or the final test split (a finished run's record
-            rounds = args.rounds if args.rounds is not None else (manifest or {}).get("rounds")  # replaces its pack)
+        if args.pack:
+            # unfinished runs only (rounds or the final test split missing); a finished run's record replaces its pack
+            rounds = args.rounds if args.rounds is not None else (manifest or {}).get("rounds")
             store = out / "compare.duckdb"
             for name in (run_name(a, s) for s in seeds for a in arm_names):
                 if _finished(store, name, rounds):

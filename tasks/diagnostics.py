@@ -41,10 +41,11 @@ def _action_logprobs(path: str, dtype: str, conversations: list[tuple[list[dict]
                      trust_remote_code: bool, reuse_prefix: bool = True) -> list[torch.Tensor]:
     """Per conversation, the log-softmax over the vocabulary at every labelled (own action) token's position.
 
-    The token prefix all conversations share (an env's system prompt and few-shot turns: ~470 of a household
-    episode's ~1,000-1,400 tokens) is encoded once and its keys/values reused for each conversation, and the
-    vocabulary projection runs at the labelled positions only. The same figures as one full forward pass a
-    conversation up to rounding (`reuse_prefix=False` runs those, as a baseline for `bench.diagnostics`)."""
+    The token prefix all conversations share (an env's system prompt and few-shot turns: 530 of a household
+    conversation's ~1,070 tokens) is encoded once and its keys/values reused for each conversation, and the
+    vocabulary projection runs at the labelled positions only: the same figures as one full forward pass a
+    conversation, up to rounding. `reuse_prefix=False` encodes each conversation whole (still projecting only the
+    labelled positions); the test holds the two against each other."""
     import copy
 
     from transformers import DynamicCache
