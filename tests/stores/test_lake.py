@@ -338,11 +338,12 @@ def test_a_step_written_twice_at_once_commits_one_whole_attempt(cluster, tmp_pat
 @needs_lake
 def test_two_runs_at_once_on_a_lake_match_the_same_runs_on_files(cluster, tmp_path):
     """Two different tiny runs (bench.lake.TINY_RUNS), two rounds each, as two `rsiflow run` processes at once on
-    one lake; then the same runs one after another on DuckDB files. Every row of each run in the lake equals its
+    one lake, and the same runs on DuckDB files beside them. Every row of each run in the lake equals its
     row in the run's file (ids as keys; timestamps, durations and the run folder left out), both runs completed
     both rounds and gave their leases back; `rsiflow status` and `report` read the lake."""
-    done = subprocess.run([str(LAKE_PYTHON), "-m", "bench.lake", "--tiny-rounds", "2", "--catalog", str(cluster.dir),
-                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=3000)
+    done = subprocess.run([str(LAKE_PYTHON), "-m", "bench.lake", "--tiny-rounds", "2", "--all-at-once",
+                           "--catalog", str(cluster.dir), "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=3000)
     result = json.loads((tmp_path / "lake.json").read_text())["tiny"] if (tmp_path / "lake.json").exists() else {}
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:], result)
     assert result["exit_codes"] == {"lake": {"lake-a": 0, "lake-b": 0}, "file": {"lake-a": 0, "lake-b": 0}}
