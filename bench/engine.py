@@ -180,6 +180,8 @@ def main() -> None:
     ap.add_argument("--no-baseline", action="store_true", help="skip the plain-generate baseline (slowest part)")
     ap.add_argument("--max-live", type=int, default=None,
                     help="play the episodes in waves of this many (backend.hf.max_live_episodes; default: all at once)")
+    ap.add_argument("--no-packed", action="store_true", help="backend.hf.packed_linears: false (PyTorch's own "
+                    "Linear layers)")
     ap.add_argument("--sampler", default="full", choices=["full", "nucleus"], help="backend.hf.sampler")
     ap.add_argument("--kv-store-tokens", type=int, default=None,
                     help="the hf backend's room for keys/values kept between calls, in tokens (default 65,536)")
@@ -187,7 +189,7 @@ def main() -> None:
 
     path = resolve_base_model(args.model, Path(args.cache).expanduser())
     backend = HFBackend(path, max_batch_size=args.batch, kv_reuse=args.kv_reuse, dtype=args.dtype,
-                        sampler=args.sampler,
+                        sampler=args.sampler, packed_linears=not args.no_packed,
                         **({"kv_store_max_tokens": args.kv_store_tokens} if args.kv_store_tokens is not None else {}))
     tasks = make_env("household").sample_tasks("train", args.episodes, args.seed)
     episodes = [Episode(traj_id=f"b{i}", task=t, group_id=t.task_id, sample_idx=0) for i, t in enumerate(tasks)]
@@ -209,7 +211,7 @@ def main() -> None:
     prefill = sum(g.extra.get("prefill_tokens", g.prompt_tokens) for _, gens in rec.calls for g in gens) / len(episodes)
     final_ctx = sum(_final_context(backend, e) for e in episodes) / len(episodes)
     print(f"model {args.model}  kv_reuse {args.kv_reuse}  episodes {args.episodes}  max_turns {args.max_turns}  "
-          f"batch {args.batch}  max_live {args.max_live}  sampler {args.sampler}  "
+          f"batch {args.batch}  max_live {args.max_live}  sampler {args.sampler}  packed {not args.no_packed}  "
           f"torch threads {torch.get_num_threads()}")
     print(f"engine   : {sampled} sampled tokens ({kept} kept) in {engine_s:.2f} s = {engine_rate:.1f} tok/s "
           f"(of which backend.generate {rec.seconds:.2f} s)")

@@ -35,7 +35,11 @@ def matmul_flops(model, tokens: int = 512, seconds: float = 2.0, windows: int = 
     """FLOP/s of a (tokens x hidden) @ (hidden x intermediate) matmul, the model's MLP up-projection shape, in
     the model's dtype on the model's device, after a warm-up (CPU: this process's torch threads): the best of
     `windows` timing windows sharing `seconds`. A limit is what the machine can reach: on the 2-core CPU single
-    2-second windows read 149-196 GFLOP/s in one quiet session, so the best window is taken, not the mean."""
+    2-second windows read 149-196 GFLOP/s in one quiet session, so the best window is taken, not the mean. On CPU
+    the same product also runs through oneDNN on a packed weight (models.packed_linear, what the hf backend uses)
+    for as long again, and the faster library sets the limit."""
+    from rsiflow.models.packed_linear import available
+
     p = next(model.parameters())
     hidden = model.config.hidden_size
     inter = getattr(model.config, "intermediate_size", 4 * hidden)
@@ -43,18 +47,23 @@ def matmul_flops(model, tokens: int = 512, seconds: float = 2.0, windows: int = 
         tokens = max(tokens, 8192)
     a = torch.randn(tokens, hidden, device=p.device, dtype=p.dtype)
     b = torch.randn(hidden, inter, device=p.device, dtype=p.dtype)
-    for _ in range(3):
-        a @ b
-    _sync(p.device)
+    products = [lambda: a @ b]
+    if p.device.type == "cpu" and not available():
+        packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), tokens)
+        products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
     best = 0.0
-    for _ in range(windows):
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds / windows:
-            for _ in range(5):
-                a @ b
-            n += 5
-            _sync(p.device)
-        best = max(best, 2 * tokens * hidden * inter * n / (time.perf_counter() - t0))
+    for product in products:
+        for _ in range(3):
+            product()
+        _sync(p.device)
+        for _ in range(windows):
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds / windows:
+                for _ in range(5):
+                    product()
+                n += 5
+                _sync(p.device)
+            best = max(best, 2 * tokens * hidden * inter * n / (time.perf_counter() - t0))
     return best
 
 

@@ -107,6 +107,12 @@ class HFBackendConfig(Section):
         "tokens only (an exponential race): the same distribution and logprobs, other draws for the same seed, "
         "and a sampling step several times cheaper (python -m bench.decode). Greedy decoding is the same either way.",
     )
+    packed_linears: bool = Field(
+        True, description="On CPU, run the generation model's Linear layers through oneDNN on weights packed once at "
+        "load (one more copy of them in memory) instead of PyTorch's default, which re-packs them on every call: "
+        "a float32 decoding step of SmolLM2-135M 1.7x faster, prefill ~1.1x (docs/performance.md). float32 "
+        "outputs differ from the default's in the last bits (another summation order); bfloat16 ones are the same.",
+    )
     max_live_episodes: int | None = Field(
         None, ge=1, description="Most episodes the episode runner plays at once; more are played in waves of this "
         "many, one after the other (null: all at once). With kv_reuse the backend keeps the live conversations' "

@@ -1,0 +1,68 @@
+"""Packed Linear layers (models/packed_linear.py, `backend.hf.packed_linears`): the same products as PyTorch's
+Linear (float32 to the last bits, bfloat16 exactly), a weight changed in place is repacked, training is untouched,
+and the hf backend generates the same tokens with them as without."""
+
+import pytest
+import torch
+
+from rsiflow.models.backend import SamplingParams
+from rsiflow.models.hf_backend import HFBackend
+from rsiflow.models.packed_linear import PackedLinear, available, pack_linears
+
+pytestmark = pytest.mark.skipif(available() is not None, reason=f"no packed Linear layers here: {available()}")
+
+
+def _model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(48, 96), torch.nn.SiLU(), torch.nn.Linear(96, 40, bias=False)).to(dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 200])
+def test_packed_layers_compute_what_pytorch_computes(rows):
+    plain, packed = _model(), _model()
+    assert pack_linears(packed) == 2 and all(type(m) is PackedLinear for m in (packed[0], packed[2]))
+    x = torch.randn(2, rows, 48)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), plain(x), rtol=1e-5, atol=1e-5)
+    plain_bf16, packed_bf16 = _model(torch.bfloat16), _model(torch.bfloat16)
+    pack_linears(packed_bf16)
+    with torch.inference_mode():
+        assert torch.equal(packed_bf16(x.bfloat16()), plain_bf16(x.bfloat16()))   # the same oneDNN kernel
+
+
+def test_a_weight_changed_or_replaced_is_repacked_and_training_gets_gradients():
+    plain, packed = _model(), _model()
+    pack_linears(packed)
+    x = torch.randn(5, 48)
+    with torch.no_grad():
+        for p, q in zip(plain.parameters(), packed.parameters()):
+            p.mul_(-0.5)
+            q.mul_(-0.5)
+    stale = packed[0]._packed_of
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), plain(x), rtol=1e-5, atol=1e-5)
+    assert stale != packed[0]._packed_of == PackedLinear._key(packed[0].weight)   # the inference call repacked it
+    plain.to(torch.bfloat16), packed.to(torch.bfloat16)   # new weight tensors: packed again, in their dtype
+    with torch.inference_mode():
+        assert torch.equal(packed(x.bfloat16()), plain(x.bfloat16()))
+    plain.float(), packed.float()
+    packed(x).sum().backward()   # grad enabled, weights that need it: PyTorch's own Linear, with autograd
+    plain(x).sum().backward()
+    for p, q in zip(plain.parameters(), packed.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
+
+
+def test_the_backend_generates_the_same_tokens_with_packed_layers(tiny_path):
+    prompts = [[{"role": "user", "content": f"Room {i}: " + "a dusty corridor, " * (2 * i) + "Your action:"}]
+               for i in range(5)]
+    plain = HFBackend(tiny_path, max_batch_size=4, kv_reuse=True, packed_linears=False)
+    packed = HFBackend(tiny_path, max_batch_size=4, kv_reuse=True)
+    assert not any(type(m) is PackedLinear for m in plain.model.modules())
+    assert sum(type(m) is PackedLinear for m in packed.model.modules()) == sum(
+        isinstance(m, torch.nn.Linear) for m in plain.model.modules())
+    for params in (SamplingParams(max_new_tokens=8, temperature=0.0),
+                   SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.95, seed=3)):
+        want, got = plain.generate(prompts, params), packed.generate(prompts, params)
+        assert [g.token_ids for g in got] == [g.token_ids for g in want]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-4)
