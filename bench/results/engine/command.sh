@@ -4,7 +4,7 @@
 # Each run prints prefill and decoding apart, each against its own roof. Writes output-<date>.txt here (~12 min).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."   # the repository root
-out=bench/results/engine/output-$(date +%F).txt
+out=bench/results/engine/output-$(date +%F-%H%M).txt
 {
   for args in "--dtype float32" "--dtype bfloat16" "--episodes 48 --batch 16" "--episodes 48 --batch 48"; do
     echo "== python -m bench.engine --kv-reuse --no-baseline $args"
