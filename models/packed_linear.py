@@ -43,8 +43,9 @@ class PackedLinear(torch.nn.Linear):
 
     @staticmethod
     def _key(weight: torch.Tensor) -> tuple:
-        """What identifies a weight's values: a new tensor (`module.to(...)`, a load) or an in-place change."""
-        return weight.data_ptr(), weight.dtype, weight._version
+        """What identifies a weight's values: a new tensor (`module.to(...)`, a load) or an in-place change. A
+        weight made under `torch.inference_mode` keeps no version counter: only a new tensor is seen there."""
+        return weight.data_ptr(), weight.dtype, -1 if weight.is_inference() else weight._version
 
     def _pack(self) -> torch.Tensor:
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), ROWS_HINT)

@@ -66,3 +66,13 @@ def test_the_backend_generates_the_same_tokens_with_packed_layers(tiny_path):
         assert [g.token_ids for g in got] == [g.token_ids for g in want]
         for g, w in zip(got, want):
             torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-4)
+
+
+def test_a_model_made_under_inference_mode_is_packed_and_runs():
+    plain = _model()
+    with torch.inference_mode():
+        made = _model()   # inference tensors: no version counter
+        assert made[0].weight.is_inference()
+        pack_linears(made)
+        x = torch.randn(3, 48)
+        torch.testing.assert_close(made(x), plain(x), rtol=1e-5, atol=1e-5)
