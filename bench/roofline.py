@@ -38,7 +38,7 @@ def matmul_flops(model, tokens: int = 512, seconds: float = 2.0, windows: int = 
     2-second windows read 149-196 GFLOP/s in one quiet session, so the best window is taken, not the mean. On CPU
     the same product also runs through oneDNN on a packed weight (models.packed_linear, what the hf backend uses)
     for as long again, and the faster library sets the limit."""
-    from rsiflow.models.packed_linear import available
+    from rsiflow.models.packed_linear import available, pack_linears
 
     p = next(model.parameters())
     hidden = model.config.hidden_size
@@ -49,8 +49,10 @@ def matmul_flops(model, tokens: int = 512, seconds: float = 2.0, windows: int = 
     b = torch.randn(hidden, inter, device=p.device, dtype=p.dtype)
     products = [lambda: a @ b]
     if p.device.type == "cpu" and not available():
-        packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), tokens)
-        products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
+        linear = torch.nn.Linear(hidden, inter, bias=False, dtype=p.dtype).requires_grad_(False)
+        linear.weight.copy_(b.t())
+        pack_linears(linear)
+        products.append(lambda: linear(a))
     best = 0.0
     for product in products:
         for _ in range(3):

@@ -5,10 +5,11 @@ kernel's blocked layout on every call. For the few rows of a decoding step that 
 2-core AMD EPYC this project is measured on, a decoding step of SmolLM2-135M (10 rows) spent 87 of its 137 ms in
 `aten::mm`, reading the weights at ~6 GB/s where the memory gives ~28 GB/s. oneDNN, given a weight packed once
 (`torch.ops.mkldnn._reorder_linear_weight`, what `torch.compile`'s CPU backend does for frozen weights), ran the
-same Linear layers 2.3-5x faster at 3-48 rows and 1.1x at hundreds (prefill); the step took 81 ms. bfloat16 layers
-already run on oneDNN, without the packing: packed they run 1.4-1.75x faster at decoding sizes, bit for bit the
-same. In float32 the two libraries sum in different orders: outputs differ in the last bits (~1e-4 of values of
-~10), as they do between batch layouts (`python -m bench.engine` checks the greedy generations).
+same Linear layers 1.5-3.9x faster at 3-48 rows (the lm_head at 10 rows 5x) and 1.1-1.3x at 256-4,096 rows
+(prefill); the step took 81 ms. bfloat16 layers already run on oneDNN, without the packing: packed they run
+1.4-1.75x faster at decoding sizes, bit for bit the same. In float32 the two libraries sum in different orders:
+outputs differ in the last bits (~1e-4 of values of ~10), as they do between batch layouts (`python -m
+bench.packed` checks the generations).
 
 `pack_linears(model)` switches every Linear of an inference model to `PackedLinear`. A call that needs gradients
 runs PyTorch's own Linear (F.linear); a weight replaced (`model.to(...)`) or changed in place since it was packed is
@@ -18,11 +19,14 @@ originals stay for everything else that reads them).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 # Rows the packing is tuned for (oneDNN takes it as a hint; any row count works): a decoding batch.
 ROWS_HINT = 16
+_warned: list[str] = []   # the reason packing is off, once said in this process
 
 
 def available() -> str | None:
@@ -64,8 +68,12 @@ class PackedLinear(torch.nn.Linear):
 
 def pack_linears(model: torch.nn.Module) -> int:
     """Switch the float32/bfloat16 Linear layers of `model` (on CPU) to `PackedLinear` and pack their weights now.
-    Returns how many were switched (0 where `available()` says why not)."""
-    if available():
+    Returns how many were switched (0 where `available()` says why not: logged as a warning, once a process)."""
+    if reason := available():
+        if not _warned:
+            _warned.append(reason)
+            logging.getLogger(__name__).warning("packed Linear layers (backend.hf.packed_linears) are off: %s; "
+                                                "PyTorch's own Linear layers run instead", reason)
         return 0
     n = 0
     for module in model.modules():

@@ -76,3 +76,17 @@ def test_a_model_made_under_inference_mode_is_packed_and_runs():
         pack_linears(made)
         x = torch.randn(3, 48)
         torch.testing.assert_close(made(x), plain(x), rtol=1e-5, atol=1e-5)
+
+
+def test_where_packing_cannot_run_the_model_is_left_as_it_is_and_a_warning_says_why(monkeypatch, caplog):
+    from rsiflow.models import packed_linear
+
+    monkeypatch.setattr(packed_linear, "available", lambda: "no oneDNN here")
+    monkeypatch.setattr(packed_linear, "_warned", [])
+    model = _model()
+    with caplog.at_level("WARNING", logger=packed_linear.__name__):
+        assert pack_linears(model) == 0 and pack_linears(_model()) == 0
+    assert not any(type(m) is PackedLinear for m in model.modules())
+    said = [r.getMessage() for r in caplog.records if "packed Linear layers" in r.getMessage()]
+    assert said == ["packed Linear layers (backend.hf.packed_linears) are off: no oneDNN here; PyTorch's own Linear "
+                    "layers run instead"]   # once a process
