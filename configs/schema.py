@@ -90,11 +90,16 @@ class ModelConfig(Section):
 
 
 class HFBackendConfig(Section):
-    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        None, description="Weights dtype for generation only; null = model.dtype. E.g. bfloat16 sampling with a "
-        "float32 trainer: a real rollout/trainer mismatch on CPU.")
-    max_batch_size: int = Field(16, ge=1, description="Most conversations per generate call; larger batches are split "
-        "(the 2-core CPU slows down sharply above 16).")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] | None = Field(
+        None, description="Weights dtype for rollouts only; null = model.dtype. E.g. bfloat16 sampling with a "
+        "float32 trainer: faster rollouts with a small, real rollout/trainer mismatch (GRPO-style methods correct "
+        "for it). auto = bfloat16 when model.dtype is float32 and this machine runs bf16 natively (a CUDA GPU "
+        "with bf16, else a CPU with AVX512-BF16 or AMX), else model.dtype. The gate plays in model.dtype whatever "
+        "this says (gate.dtype).")
+    max_batch_size: int = Field(16, ge=1, description="Most conversations per forward batch; a larger generate call "
+        "is split into chunks of this many. Without kv_reuse each chunk is padded to its longest prompt, so smaller "
+        "chunks pad less; with kv_reuse a default round's 48 household episodes took 92, 92 and 89 s at 16, 24 and "
+        "48 on 2 cores (python -m bench.engine --batch, docs/performance.md).")
     kv_reuse: bool = Field(
         False,
         description="Keep each conversation's KV cache between calls and prefill only the new tokens of the next "

@@ -160,10 +160,30 @@ def backend_for(cfg, model_path: str, evaluation: bool = False) -> GenerationBac
     threads.configure(cfg.run.threads)
     options = cfg.backend.options()
     dtype = options.pop("dtype", None) or cfg.model.dtype  # a backend may sample in another dtype than training
+    if dtype == "auto":
+        dtype = auto_sampling_dtype(cfg.model.dtype)
     if evaluation and cfg.gate.dtype == "trainer":
         dtype = cfg.model.dtype
     return open_backend(cfg.backend.kind, model_path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code,
                         **options)
+
+
+def native_bf16() -> bool:
+    """Whether this machine multiplies bfloat16 natively where the hf backend runs: the CUDA GPU when there is one
+    (bf16 support), else the CPU (AVX512-BF16 or AMX instructions; elsewhere PyTorch emulates bf16, slower than
+    float32)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+
+
+def auto_sampling_dtype(model_dtype: str) -> str:
+    """`backend.hf.dtype: auto`: rollouts sample in bfloat16 when the trainer's dtype is float32 and the machine
+    runs bf16 natively (`native_bf16`), else in the trainer's dtype."""
+    return "bfloat16" if model_dtype == "float32" and native_bf16() else model_dtype
 
 
 def wants_scoring(option: bool | str, params: SamplingParams) -> bool:

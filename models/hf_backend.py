@@ -3,8 +3,8 @@
 What it really does, per `generate` call:
 - applies the tokenizer's chat template (with the generation prompt) to every conversation,
   sorts the requests by prompt length and cuts them into chunks of at most `max_batch_size`
-  (less padding, and the 2-core CPU slows down sharply above batch 16), left-pads each chunk
-  with the pad token (= eos) and runs `model.generate` on it, no KV cache kept between calls;
+  (less padding), left-pads each chunk with the pad token (= eos) and runs `model.generate` on it,
+  no KV cache kept between calls;
 - samples with temperature and top-p only (temperature 0: greedy); `seed` seeds torch's RNG for
   the call (results then depend on the seed and the batch, not on any earlier call);
 - records per-token sampling logprobs: the log-softmax of the scores actually sampled from

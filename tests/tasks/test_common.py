@@ -141,6 +141,48 @@ def test_rollouts_sample_in_the_backend_dtype_and_evaluation_in_the_trainer_dtyp
         hb.clear_backends()
 
 
+@pytest.mark.parametrize("native,model_dtype,expected", [(True, "float32", "bfloat16"), (False, "float32", "float32"),
+                                                        (True, "float16", "float16"), (False, "bfloat16", "bfloat16")])
+def test_auto_samples_in_bf16_only_where_the_machine_runs_it_natively(monkeypatch, native, model_dtype, expected):
+    from rsiflow.models import backend
+
+    monkeypatch.setattr(backend, "native_bf16", lambda: native)
+    assert backend.auto_sampling_dtype(model_dtype) == expected
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_rollouts_and_a_trainer_dtype_gate(monkeypatch, tiny_path, native):
+    import torch
+
+    import rsiflow.models.hf_backend as hb
+    from rsiflow.models import backend
+
+    monkeypatch.setattr(backend, "native_bf16", lambda: native)
+    hb.clear_backends()
+    try:
+        cfg = load_config([TINY], ["backend.hf.dtype=auto"])
+        rollouts = backend.backend_for(cfg, str(tiny_path))
+        assert next(rollouts.model.parameters()).dtype == (torch.bfloat16 if native else torch.float32)
+        evaluation = backend.backend_for(cfg, str(tiny_path), evaluation=True)
+        assert next(evaluation.model.parameters()).dtype == torch.float32
+    finally:
+        hb.clear_backends()
+
+
+def test_the_bf16_probe_agrees_with_the_cpu_flags():
+    from pathlib import Path
+
+    import torch
+
+    from rsiflow.models.backend import native_bf16
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if torch.cuda.is_available() or not cpuinfo.exists():
+        pytest.skip("checks the CPU probe against /proc/cpuinfo on a machine without a GPU")
+    flags = {f for line in cpuinfo.read_text().splitlines() if line.startswith("flags") for f in line.split()}
+    assert native_bf16() == bool(flags & {"avx512_bf16", "amx_tile"})
+
+
 def test_the_gate_plays_with_the_evaluation_backend(monkeypatch, tiny_path):
     import rsiflow.tasks.gate as gate
     from rsiflow.envs import make_env

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # A default household round (configs/default.yaml, its first round) before and after issue 25's performance work,
 # on one quiet machine in one invocation: the code of $OLD (default 62a44c2, where the issue's figures were taken)
-# against this checkout (its defaults: packed Linear layers), this checkout with PyTorch's own Linear layers
-# (`backend.hf.packed_linears: false`), and with `backend.hf.sampler: nucleus`. (Until 2026-12-06 09:57 the last two
-# runs were bf16 rollouts, and bf16 rollouts with the gate in bf16: see git history and the outputs of those dates.)
-# Each `python -m bench.round` prints where its round's wall time went; all of it goes to output-<date>.txt here.
-# The old code runs from a temporary export with a copy of this checkout's .venv (its editable install re-pointed),
-# removed at the end (~2.3 GB while it runs). Run it on a quiet machine: ~15-20 minutes.
+# against this checkout (its defaults: packed Linear layers; since 2026-12-07 rollouts in bfloat16 where the CPU runs
+# it natively, `backend.hf.dtype: auto`, the gate still in float32) and this checkout with float32 rollouts
+# (`backend.hf.dtype=float32`), interleaved and each pair twice: this machine's speed drifts by 10-20% within an
+# hour, so compare within a pair. (Earlier outputs ran other variants: packed_linears=false, sampler=nucleus, bf16
+# rollouts and gate; see git history.) Each `python -m bench.round` prints where its round's wall time went; all of
+# it goes to output-<date>-<HHMM>.txt here. The old code runs from a temporary export with a copy of this
+# checkout's .venv (its editable install re-pointed), removed at the end (~2.3 GB while it runs). Run it on a quiet
+# machine: ~25 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."   # the repository root
 ROOT=$PWD OLD=${OLD:-62a44c2}
@@ -17,12 +19,12 @@ git archive "$OLD" | tar -x -C "$tmp" && cp -a .venv "$tmp/.venv"
 sed -i "s|$ROOT|$tmp|g" "$tmp"/.venv/lib/python*/site-packages/__editable___rsiflow_*_finder.py
 export PREFECT_SERVER_ANALYTICS_ENABLED=false TOKENIZERS_PARALLELISM=false
 {
-  echo "== $OLD: python -m bench.round (configs/default.yaml)"
-  (cd "$tmp" && PREFECT_HOME="$tmp/prefect-old" .venv/bin/python -m bench.round)
-  echo "== $(git rev-parse --short HEAD): python -m bench.round"
-  PREFECT_HOME="$tmp/prefect-new" .venv/bin/python -m bench.round
-  echo "== $(git rev-parse --short HEAD): python -m bench.round --set backend.hf.packed_linears=false"
-  PREFECT_HOME="$tmp/prefect-unpacked" .venv/bin/python -m bench.round --set backend.hf.packed_linears=false
-  echo "== $(git rev-parse --short HEAD): python -m bench.round --set backend.hf.sampler=nucleus"
-  PREFECT_HOME="$tmp/prefect-nucleus" .venv/bin/python -m bench.round --set backend.hf.sampler=nucleus
+  for pass in 1 2; do
+    echo "== pass $pass: $OLD: python -m bench.round (configs/default.yaml)"
+    (cd "$tmp" && PREFECT_HOME="$tmp/prefect-old" .venv/bin/python -m bench.round)
+    echo "== pass $pass: $(git rev-parse --short HEAD): python -m bench.round"
+    PREFECT_HOME="$tmp/prefect-new" .venv/bin/python -m bench.round
+    echo "== pass $pass: $(git rev-parse --short HEAD): python -m bench.round --set backend.hf.dtype=float32"
+    PREFECT_HOME="$tmp/prefect-fp32" .venv/bin/python -m bench.round --set backend.hf.dtype=float32
+  done
 } 2>&1 | grep -v "it/s\]\|turn/s\]\|s/turn\]\|Loading weights" | tee "$out"
