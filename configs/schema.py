@@ -94,8 +94,8 @@ class HFBackendConfig(Section):
         None, description="Weights dtype for rollouts only; null = model.dtype. E.g. bfloat16 sampling with a "
         "float32 trainer: faster rollouts with a small, real rollout/trainer mismatch (GRPO-style methods correct "
         "for it). auto = bfloat16 when model.dtype is float32 and this machine runs bf16 natively (a CUDA GPU "
-        "with bf16, else a CPU with AVX512-BF16 or AMX), else model.dtype. The gate plays in model.dtype whatever "
-        "this says (gate.dtype).")
+        "with bf16, else a CPU with AVX512-BF16 or AMX), else model.dtype. The gate plays in model.dtype unless "
+        "gate.dtype is sampler.")
     max_batch_size: int = Field(16, ge=1, description="Most conversations per forward batch; a larger generate call "
         "is split into chunks of this many. Without kv_reuse each chunk is padded to its longest prompt, so smaller "
         "chunks pad less; with kv_reuse a default round's 48 household episodes took 92, 92 and 89 s at 16, 24 and "
