@@ -50,6 +50,11 @@ def tiny_path(model_cache) -> Path:
     return resolve_base_model("tiny:0", model_cache)
 
 
+# Tests that start vLLM engines or servers: under pytest-xdist (`-n 2 --dist loadgroup`, the slow tier in CI) they
+# all run in one worker, which starts the session's one engine (`vllm_backend`) and holds its memory.
+VLLM_TEST_FILES = {"test_vllm_backend.py", "test_openai_backend.py", "test_openai_multi.py", "test_served_rounds.py"}
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     """Marks `slow` every test that uses the `prefect_api` fixture (it runs a Prefect flow against a
@@ -58,6 +63,8 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "prefect_api" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+        if Path(str(item.fspath)).name in VLLM_TEST_FILES:
+            item.add_marker(pytest.mark.xdist_group("vllm"))
 
 
 def vllm_python() -> str | None:

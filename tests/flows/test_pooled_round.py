@@ -15,9 +15,11 @@ from rsiflow.configs.schema import ConfigError
 from tests.conftest import TINY, tiny_overrides
 
 # SRD's template notes give the tiny round training examples (so train, gate and deploy do real work); no KV reuse
-# across calls, so a step in a fresh process samples exactly what it samples in a long-lived one (bench/chaos.py).
+# across calls, so a step in a fresh process samples exactly what it samples in a long-lived one (bench/chaos.py);
+# one thread, fixed: on `auto` a step's thread count depends on what else computes (another test under pytest-xdist),
+# and decoding logprobs differ in the last bits between thread counts (models/threads.py).
 SETS = ["distill.methods=[exit,srd]", "distill.srd.note_writer=template", "backend.hf.kv_reuse=false",
-        "prefect.retries=0"]
+        "prefect.retries=0", "run.threads=1"]
 POOLS = {"generate": "inference", "evaluate": "inference", "distill": "inference", "train": "training",
          "gate": "inference", "deploy": "inference"}
 POOLS_SET = "prefect.pools={" + ", ".join(f"{k}: {v}" for k, v in POOLS.items()) + "}"
