@@ -90,12 +90,27 @@ PREFILL_PASS_TOKENS = 32
 
 @dataclass
 class _KVEntry:
-    """Keys/values of one token sequence, kept between calls: ids (T,) and, per layer, kv (2, kv heads, T, head
-    dim). One tensor per layer, not one for all: a few MB each, which the C allocator serves from memory it already
-    holds, where a single tensor of every layer (~46 MB at 1,000 tokens) is a fresh mapping each time, its pages
-    faulted in on the first write (3-4x slower to fill, one thread)."""
+    """Keys/values of one token sequence, kept between calls: ids (T,) and the keys/values as segments in order
+    (at most two), each a list with one (2, kv heads, n, head dim) tensor per layer, their n summing to T. An
+    episode's entry shares the first segment of the entry its turn reused (the same tensors, not copies: the prefix
+    all rows of the first call shared) and holds the rest as one new segment; copying the whole sequence out of the
+    decoding cache each turn was 3.7% of a bf16 engine run's generate time (py-spy, docs/performance.md). One
+    tensor per layer, not one for all: a few MB each, which the C allocator serves from memory it already holds,
+    where a single tensor of every layer (~46 MB at 1,000 tokens) is a fresh mapping each time, its pages faulted
+    in on the first write (3-4x slower to fill, one thread)."""
     ids: np.ndarray
-    kv: list[torch.Tensor]
+    segments: list[list[torch.Tensor]]
+
+    def head(self, n: int) -> list[list[torch.Tensor]]:
+        """The segments of the first n tokens (views; the last one cut at n)."""
+        out, left = [], n
+        for segment in self.segments:
+            if left <= 0:
+                break
+            size = segment[0].shape[2]
+            out.append(segment if size <= left else [kv[:, :, :left] for kv in segment])
+            left -= size
+        return out
 
 
 class HFBackend:
@@ -331,7 +346,8 @@ class HFBackend:
                 start = stop
             for layer in cache.layers:
                 layer.fill(c_max + n_max)
-        matches.clear()  # drop this chunk's references to the old entries
+        bases = [entry for entry, _ in matches]   # each row's reused entry: its new entry shares those segments
+        matches.clear()
         mask = torch.tensor([[0] * (c_max - cached[i]) + [1] * cached[i] + [0] * (n_max - len(new[i]))
                              + [1] * len(new[i]) for i in order], device=device)
         next_position = torch.tensor([len(prompts[i]) for i in order], device=device)
@@ -387,7 +403,8 @@ class HFBackend:
                 if known <= budget:
                     budget -= known
                     new_store.append(self._extract_row(cache, b, c_max - cached[row], cached[row],
-                                                       c_max + n_max - len(new[row]), prompts[row] + tokens[row][:-1]))
+                                                       c_max + n_max - len(new[row]), prompts[row] + tokens[row][:-1],
+                                                       bases[row]))
                 results[row] = self._finish_row(tokens[row], logprobs[row], temp_logprobs[row], params.stop,
                                                 len(prompts[row]))
                 results[row].extra.update(prefill_tokens=len(new[row]), cached_tokens=cached[row])
@@ -427,9 +444,9 @@ class HFBackend:
         else:
             cache.layers = into
         if c_max or into is not None:
+            heads = [matches[i][0].head(c) if c else None for i, c in zip(rows, cached)]
             for index, layer in enumerate(cache.layers):
-                layer.preload([matches[i][0].kv[index][:, :, :c] if c else None for i, c in zip(rows, cached)],
-                              c_max, gap)
+                layer.preload([[segment[index] for segment in h] if h else None for h in heads], c_max, gap)
         input_ids = torch.tensor([[pad] * (n_max - len(x)) + x for x in part], device=device)
         mask = torch.tensor([[0] * (c_max - c) + [1] * c + [0] * (gap + n_max - len(x)) + [1] * len(x)
                              for c, x in zip(cached, part)], device=device)
@@ -441,18 +458,29 @@ class HFBackend:
 
     @staticmethod
     def _extract_row(cache: DynamicCache, b: int, cached_at: int, n_cached: int, new_at: int,
-                     ids: list[int]) -> _KVEntry:
-        """Batch row b's keys/values without pads: [cached_at, cached_at + n_cached) then [new_at, end)."""
+                     ids: list[int], base: _KVEntry | None = None) -> _KVEntry:
+        """Batch row b's keys/values without pads: [cached_at, cached_at + n_cached) then [new_at, end). With
+        `base`, the entry the row's n_cached cached tokens were preloaded from, base's first segment (the prefix
+        a call's rows share: the system prompt and few-shot turns, or an older turn's tokens) is kept as it is, not
+        copied, when the cached part covers it; the rest is copied as one segment."""
         end = new_at + len(ids) - n_cached
+        shared = base.segments[0] if base is not None else None
+        if shared is not None and shared[0].shape[2] <= n_cached:
+            # base's first segment is shared (views); the rest is copied (one segment: fewer, larger copies next turn)
+            kept = shared[0].shape[2]
+            segments, cached_at, n_cached = [shared], cached_at + kept, n_cached - kept
+        else:
+            segments = []
         kv = []
         for layer in cache.layers:   # copied once, straight into the entry
             keys = layer.keys
-            entry = keys.new_empty(2, keys.shape[1], len(ids), keys.shape[3])
+            entry = keys.new_empty(2, keys.shape[1], n_cached + end - new_at, keys.shape[3])
             for j, t in enumerate((layer.keys, layer.values)):
-                entry[j, :, :n_cached] = t[b, :, cached_at:cached_at + n_cached]
+                if n_cached:
+                    entry[j, :, :n_cached] = t[b, :, cached_at:cached_at + n_cached]
                 entry[j, :, n_cached:] = t[b, :, new_at:end]
             kv.append(entry)
-        return _KVEntry(ids=np.asarray(ids, dtype=np.int64), kv=kv)
+        return _KVEntry(ids=np.asarray(ids, dtype=np.int64), segments=[*segments, kv])
 
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, start_count: int) -> list[Generation]:
         pad = self.tokenizer.pad_token_id
@@ -558,24 +586,27 @@ class ReservedCacheLayer(DynamicLayer):
         self.length = length
         self.keys, self.values = self._keys[..., :length, :], self._values[..., :length, :]
 
-    def preload(self, rows: list[torch.Tensor | None], width: int, gap: int = 0) -> None:
+    def preload(self, rows: list[torch.Tensor | list[torch.Tensor] | None], width: int, gap: int = 0) -> None:
         """Fill an empty layer with one batch row per entry of `rows` (keys and values of c cached positions,
-        (2, heads, c, dim); None for c = 0), right-aligned in `width` positions after zeroed pads, then `gap`
-        zeroed positions in every row (pads are masked, but must be finite), written straight into the buffer
-        (allocated here unless `allocate` or `window` gave one)."""
+        (2, heads, c, dim), or a list of such parts laid one after the other; None for c = 0), right-aligned in
+        `width` positions after zeroed pads, then `gap` zeroed positions in every row (pads are masked, but must be
+        finite), written straight into the buffer (allocated here unless `allocate` or `window` gave one)."""
+        rows = [[kv] if isinstance(kv, torch.Tensor) else kv for kv in rows]
         if self._keys is None:
-            template = next(kv for kv in rows if kv is not None)
+            template = next(parts[0] for parts in rows if parts)
             _, heads, _, dim = template.shape
             self.lazy_initialization(template[:1], template[1:])
             dtype = self.dtype or template.dtype
             shape = (len(rows), heads, max(self.capacity, width + gap), dim)
             self._keys, self._values = template.new_empty(shape, dtype=dtype), template.new_empty(shape, dtype=dtype)
-        for b, kv in enumerate(rows):
-            c = 0 if kv is None else kv.shape[2]
+        for b, parts in enumerate(rows):
+            start = width - sum(kv.shape[2] for kv in parts or ())
             for j, dst in enumerate((self._keys, self._values)):
-                dst[b, :, :width - c] = 0
-                if c:
-                    dst[b, :, width - c:width] = kv[j]
+                dst[b, :, :start] = 0
+                at = start
+                for kv in parts or ():
+                    dst[b, :, at:at + kv.shape[2]] = kv[j]
+                    at += kv.shape[2]
         if gap:
             self._keys[:, :, width:width + gap] = 0
             self._values[:, :, width:width + gap] = 0

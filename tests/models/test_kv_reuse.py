@@ -340,3 +340,25 @@ def test_the_nucleus_sampler_is_seeded_and_its_logprobs_are_the_full_samplers(ti
         assert bool(torch.isfinite(nucleus.gather(1, ids)).all())   # every token drawn from the nucleus
         assert torch.allclose(torch.tensor(g.temp_logprobs).double(), temp.gather(1, ids).squeeze(1), atol=1e-4)
         assert torch.allclose(torch.tensor(g.logprobs).double(), nucleus.gather(1, ids).squeeze(1), atol=1e-4)
+
+
+def test_a_turns_entry_shares_the_keys_values_it_reused_and_holds_the_whole_sequence(reusing):
+    """Each episode's stored keys/values are two segments: the prefix the first call's rows shared (encoded once,
+    the same tensors in every entry and in every later turn's entries, not copies) and the episode's own tokens;
+    laid end to end they equal the row's keys/values of one plain forward pass."""
+    rules = "You play a text adventure. Answer with one action. Never explain. " * 4
+    conversations = [[{"role": "system", "content": rules}, *_start(i)[1:]] for i in range(3)]
+    storage = set()
+    for turn in range(3):
+        gens = reusing.generate(conversations, GREEDY)
+        for entry in reusing._kv_store:
+            assert len(entry.segments) == 2 and sum(s[0].shape[2] for s in entry.segments) == len(entry.ids)
+            storage |= {kv.untyped_storage().data_ptr() for kv in entry.segments[0]}
+            with torch.no_grad():
+                out = reusing.model(torch.tensor([entry.ids.tolist()]), use_cache=True)
+            for index, layer in enumerate(out.past_key_values.layers):
+                stored = torch.cat([segment[index] for segment in entry.segments], dim=2)
+                assert torch.allclose(stored[0], layer.keys[0], atol=1e-4)
+                assert torch.allclose(stored[1], layer.values[0], atol=1e-4)
+        assert len(storage) == len(reusing.model.model.layers)   # one shared prefix, never copied
+        conversations = _next_turn(conversations, gens, turn)

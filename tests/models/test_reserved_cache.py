@@ -120,7 +120,8 @@ def test_half_precision_weights_on_cpu_attend_in_float32_over_a_float32_cache(ti
     assert half.model.config._attn_implementation == FLOAT32_SDPA
     generations = half.generate(conversations, greedy)
     assert all(g.token_ids for g in generations)
-    assert {kv.dtype for entry in half._kv_store for kv in entry.kv} == {torch.float32}  # what the next turn reuses
+    assert {kv.dtype for entry in half._kv_store for segment in entry.segments
+                                     for kv in segment} == {torch.float32}  # what the next turn reuses
 
 
 def test_float32_attention_is_sdpa_on_the_upcast_inputs():
