@@ -209,7 +209,8 @@ class HFBackend:
 
     @property
     def kv_store_tokens(self) -> int:
-        """Tokens whose keys/values are kept for reuse now."""
+        """Tokens whose keys/values are kept for reuse now, counted per entry (a prefix several entries share, the
+        same tensors, counts in each: the budget `kv_store_max_tokens` is held against this count)."""
         return sum(len(entry.ids) for entry in self._kv_store)
 
     def generate(self, conversations: list[list[dict]], params: SamplingParams,
@@ -222,7 +223,8 @@ class HFBackend:
                                                    tokenize=False)
         prompts = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
         if self.kv_reuse:
-            # The old entries live on only in `matches`, each dropped once its chunk is prefilled.
+            # The old entries live on only in `matches` and their chunk's `bases`, dropped once the chunk is done
+            # (a new entry keeps its base's first segment, the shared prefix).
             matches = self._share_common_prefix(prompts, [self._longest_prefix(p) for p in prompts])
             self._kv_store = []
             order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) - matches[i][1])
