@@ -58,12 +58,12 @@ VLLM_TEST_FILES = {"test_vllm_backend.py", "test_openai_backend.py", "test_opena
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     """Marks `slow` every test that uses the `prefect_api` fixture (it runs a Prefect flow against a
-    temporary Prefect server), also where its file has no `@pytest.mark.slow`. `tryfirst` runs this
-    before pytest's own `-m` selection."""
+    temporary Prefect server), also where its file has no `@pytest.mark.slow`, and puts the tests of
+    VLLM_TEST_FILES in one pytest-xdist group. `tryfirst` runs this before pytest's own `-m` selection."""
     for item in items:
         if "prefect_api" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
-        if Path(str(item.fspath)).name in VLLM_TEST_FILES:
+        if item.path.name in VLLM_TEST_FILES:
             item.add_marker(pytest.mark.xdist_group("vllm"))
 
 
