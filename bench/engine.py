@@ -51,7 +51,9 @@ from rsiflow.models.loading import resolve_base_model
 class ForwardClock:
     """Times every forward pass of the backend's model (hooks added from outside; the backend is unchanged) and
     keeps, per pass: rows, query length, real (unpadded) query tokens, context width (cached + new positions,
-    pads included) and seconds. A pass with a one-token query is a decoding step; any other is a prefill."""
+    pads included), the positions of a prefix all rows attend to from one copy outside the cache (`shared_kv`,
+    `backend.hf.shared_prefix_attention`) and seconds. A pass with a one-token query is a decoding step; any
+    other is a prefill."""
 
     def __init__(self, model: torch.nn.Module):
         self.passes: list[dict] = []
@@ -67,7 +69,9 @@ class ForwardClock:
         real = int(mask[:, -query:].sum()) if mask is not None else rows * query
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         width = mask.shape[1] if mask is not None else query + _cached(cache)
-        self._pending = {"rows": rows, "query": query, "real": real, "width": width}
+        shared = kwargs.get("shared_kv")
+        self._pending = {"rows": rows, "query": query, "real": real, "width": width,
+                         "shared": shared[0].shape[2] if shared else 0}
         self._t0 = time.perf_counter()
 
     def _after(self, module, args, kwargs, output):
@@ -102,15 +106,16 @@ def split_report(passes: list[dict], model, generate_seconds: float, flops: floa
            "decode_steps": len(decode), "decode_tokens": sum(p["rows"] for p in decode),
            "decode_seconds": sum(p["seconds"] for p in decode),
            "decode_least_seconds": sum(roofline.decode_step_limit(model, p["rows"], p["width"], flops, bandwidth,
-                                                                  kv_dtype) for p in decode),
-           "decode_bytes": sum(roofline.decode_step_bytes(model, p["rows"], p["width"], kv_dtype) for p in decode)}
+                                                                  kv_dtype, p["shared"]) for p in decode),
+           "decode_bytes": sum(roofline.decode_step_bytes(model, p["rows"], p["width"], kv_dtype, p["shared"])
+                               for p in decode)}
     out["outside_seconds"] = generate_seconds - out["prefill_seconds"] - out["decode_seconds"]
     out["prefill_rate"] = out["prefill_tokens"] / out["prefill_seconds"] if prefill else math.nan
     out["prefill_of_limit"] = out["prefill_rate"] * per_token / flops
     out["decode_rate"] = out["decode_tokens"] / out["decode_seconds"] if decode else math.nan
     out["decode_of_limit"] = out["decode_least_seconds"] / out["decode_seconds"] if decode else math.nan
     out["decode_rows"] = out["decode_tokens"] / len(decode) if decode else math.nan
-    out["decode_context"] = sum(p["width"] for p in decode) / len(decode) if decode else math.nan
+    out["decode_context"] = sum(p["width"] + p["shared"] for p in decode) / len(decode) if decode else math.nan
     return out
 
 
@@ -183,6 +188,8 @@ def main() -> None:
     ap.add_argument("--no-packed", action="store_true", help="backend.hf.packed_linears: false (PyTorch's own "
                     "Linear layers)")
     ap.add_argument("--sampler", default="full", choices=["full", "nucleus"], help="backend.hf.sampler")
+    ap.add_argument("--shared-prefix-attention", default="auto", choices=["auto", "on", "off"],
+                    help="backend.hf.shared_prefix_attention (auto: on for half-precision weights)")
     ap.add_argument("--kv-store-tokens", type=int, default=None,
                     help="the hf backend's room for keys/values kept between calls, in tokens (default 65,536)")
     args = ap.parse_args()
@@ -190,6 +197,7 @@ def main() -> None:
     path = resolve_base_model(args.model, Path(args.cache).expanduser())
     backend = HFBackend(path, max_batch_size=args.batch, kv_reuse=args.kv_reuse, dtype=args.dtype,
                         sampler=args.sampler, packed_linears=not args.no_packed,
+                        shared_prefix_attention={"on": True, "off": False}.get(args.shared_prefix_attention, "auto"),
                         **({"kv_store_max_tokens": args.kv_store_tokens} if args.kv_store_tokens is not None else {}))
     tasks = make_env("household").sample_tasks("train", args.episodes, args.seed)
     episodes = [Episode(traj_id=f"b{i}", task=t, group_id=t.task_id, sample_idx=0) for i, t in enumerate(tasks)]

@@ -21,6 +21,10 @@ dtype against the first (the trainer's dtype):
 - the wall seconds of each model's plays in each dtype and their ratio to the first dtype's (measured in
   this run, on this machine).
 
+`--key K --values a,b` compares the values of another setting the same way instead of dtypes (e.g. `--key
+backend.hf.shared_prefix_attention --values false,true --set backend.hf.dtype=float32`: does attending to the
+shared prefix apart change the float32 gate's greedy plays?).
+
 Equivalence is for the reader to judge from the figures; the bench does not declare it.
 """
 
@@ -109,8 +113,10 @@ def main(argv: list[str] | None = None) -> int:
                         "gate decisions)")
     parser.add_argument("--tasks", type=int, default=192, help="distinct held-out tasks (192: four gates of 48)")
     parser.add_argument("--samples", type=int, default=0, help="sampled plays per task (0: greedy only)")
-    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated; the first is the reference "
-                        "(the trainer's dtype)")
+    parser.add_argument("--dtypes", "--values", dest="dtypes", default="float32,bfloat16",
+                        help="comma-separated values of --key; the first is the reference (the trainer's dtype)")
+    parser.add_argument("--key", help="the config key the compared values set (default: backend.<kind>.dtype), "
+                        "e.g. backend.hf.shared_prefix_attention with --values false,true")
     parser.add_argument("--out", help="also write every figure and per-task outcome to this JSON file")
     args = parser.parse_args(argv)
     dtypes = args.dtypes.split(",")
@@ -137,10 +143,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--candidate {args.candidate}: no such checkpoint folder")
         models["candidate"] = args.candidate
     kind = base_cfg.backend.kind
+    key = args.key or f"backend.{kind}.dtype"
+    column = "dtype" if key == f"backend.{kind}.dtype" else key
     results: dict = {d: {} for d in dtypes}
     seconds: dict = {d: {} for d in dtypes}
     for d in dtypes:
-        cfg = load_config(args.config, [*args.set, f"backend.{kind}.dtype={d}", "gate.dtype=sampler"])
+        cfg = load_config(args.config, [*args.set, f"{key}={d}", "gate.dtype=sampler"])
         for tag, path in models.items():
             results[d][tag], seconds[d][tag] = play_model(cfg, tasks, path, tag, args.samples)
             print(f"{tag} in {d}: {seconds[d][tag]:.1f} s", flush=True)
@@ -151,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                                                               f"T={base_cfg.backend.temperature:g}" if args.samples
                                                               else ""))
     figures: dict = {}
-    lines = ["| model | dtype | identical greedy actions | greedy success [95% CI] | succeeds in both / only "
+    lines = [f"| model | {column} | identical greedy actions | greedy success [95% CI] | succeeds in both / only "
              f"{ref} / only this | greedy diff vs {ref} [95% CI] |"
              + (f" sampled success | sampled diff vs {ref} [95% CI] | identical sampled plays |" if args.samples
                 else "") + f" seconds | x vs {ref} |", "|---|---|---|---|---|---|" + ("---|---|---|" if args.samples

@@ -98,17 +98,19 @@ def kv_bytes_per_position(model, kv_dtype: torch.dtype | None = None) -> int:
     return 2 * cfg.num_hidden_layers * heads * head_dim * size
 
 
-def decode_step_bytes(model, rows: int, context: int, kv_dtype: torch.dtype | None = None) -> int:
-    """Least bytes a decoding step of `rows` rows over `context` cached positions (pads included: the kernel
-    reads them) moves: the weights once, each row's keys and values once."""
-    return weight_bytes(model) + rows * context * kv_bytes_per_position(model, kv_dtype)
+def decode_step_bytes(model, rows: int, context: int, kv_dtype: torch.dtype | None = None, shared: int = 0) -> int:
+    """Least bytes a decoding step of `rows` rows over `context` cached positions each (pads included: the kernel
+    reads them) and `shared` positions all rows attend to from one copy moves: the weights once, each row's keys
+    and values once, the shared ones once."""
+    return weight_bytes(model) + (rows * context + shared) * kv_bytes_per_position(model, kv_dtype)
 
 
 def decode_step_limit(model, rows: int, context: int, flops: float, bandwidth: float,
-                      kv_dtype: torch.dtype | None = None) -> float:
+                      kv_dtype: torch.dtype | None = None, shared: int = 0) -> float:
     """Least seconds for one decoding step: the larger of its matmul FLOPs over `flops` (FLOP/s) and its bytes
     over `bandwidth` (bytes/s)."""
-    return max(rows * flops_per_token(model) / flops, decode_step_bytes(model, rows, context, kv_dtype) / bandwidth)
+    return max(rows * flops_per_token(model) / flops,
+               decode_step_bytes(model, rows, context, kv_dtype, shared) / bandwidth)
 
 
 def describe(model) -> str:

@@ -118,6 +118,14 @@ class HFBackendConfig(Section):
         "a float32 decoding step of SmolLM2-135M 1.7x faster, prefill ~1.1x (docs/performance.md). float32 "
         "outputs differ from the default's in the last bits (another summation order); bfloat16 ones are the same.",
     )
+    shared_prefix_attention: Literal["auto"] | bool = Field(
+        "auto", description="With kv_reuse, keep the token prefix all conversations of a batch share (the system "
+        "prompt and few-shot turns) out of the rows' decoding cache and attend to it once for the whole batch, "
+        "merged with each row's attention to its own tokens (cascade attention): the prefix is neither copied into "
+        "every row nor read once per row. The same attention up to float rounding. auto = on where attention "
+        "already runs in another dtype than the weights (half-precision weights on CPU: float32 attention), off "
+        "for float32 weights, whose greedy plays (the gate) then stay bit for bit as before.",
+    )
     max_live_episodes: int | None = Field(
         None, ge=1, description="Most episodes the episode runner plays at once; more are played in waves of this "
         "many, one after the other (null: all at once). With kv_reuse the backend keeps the live conversations' "

@@ -29,8 +29,10 @@ one) with those per-layer keys/values (batch 1, no padding) -- only the latest c
 ~3 GB). A request then reuses the entry with the longest common token prefix, cropped to at most
 prompt length - 1, and prefills only the rest; a token prefix that all requests of a call share
 (the system prompt and few-shot turns of a batch of new episodes) and that no entry holds is
-encoded once, batch 1, and reused by each of them; rows with different cached and new lengths share a
-batch as [pad][cached][pad][new] with explicit position ids, then a hand-written decode loop samples
+encoded once, batch 1, and reused by each of them (with `shared_prefix_attention`, kept out of the rows'
+decoding cache and attended to once for the whole batch: `_attend_to_shared_prefix`); rows with different
+cached and new lengths share a batch as [pad][cached][pad][new] with explicit position ids, then a
+hand-written decode loop samples
 exactly as above (temperature, top-p, the same logprobs, eos and stop strings, `_finish_row`) and drops
 finished rows from the batch. `prompt_tokens` stays the full prompt; `extra["prefill_tokens"]` and
 `extra["cached_tokens"]` say how much was encoded and how much reused.
@@ -121,7 +123,8 @@ class HFBackend:
     def __init__(self, model_path: str | Path, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, dtype: str = "float32",
                  device: str | None = None, kv_reuse: bool = False,
                  kv_store_max_tokens: int = DEFAULT_KV_STORE_MAX_TOKENS, trust_remote_code: bool = False,
-                 sampler: str = "full", max_live_episodes: int | None = None, packed_linears: bool = True):
+                 sampler: str = "full", max_live_episodes: int | None = None, packed_linears: bool = True,
+                 shared_prefix_attention: bool | str = "auto"):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_live_episodes is not None and max_live_episodes < 1:
@@ -130,6 +133,9 @@ class HFBackend:
         if sampler not in ("full", "nucleus"):
             raise ValueError(f"sampler must be 'full' or 'nucleus', got {sampler!r}")
         self.sampler = sampler
+        if shared_prefix_attention not in (True, False, "auto"):
+            raise ValueError(f"shared_prefix_attention must be true, false or 'auto', got {shared_prefix_attention!r}")
+        self.shared_prefix_attention = shared_prefix_attention
         if kv_store_max_tokens < 0:
             raise ValueError(f"kv_store_max_tokens must be >= 0, got {kv_store_max_tokens}")
         self.max_batch_size = max_batch_size
@@ -185,10 +191,17 @@ class HFBackend:
         # layers in the weights' dtype.
         self._kv_dtype = torch.float32 if self.device == "cpu" and self.model.dtype != torch.float32 else None
         self._attention_per_position = attention_per_position(self.model)
+        # "auto": where attention already runs in another dtype than the weights (half precision on CPU), not in
+        # float32, where attending to the prefix apart would move the trainer's greedy logits in the last bits.
+        attend_apart = (self._kv_dtype is not None if self.shared_prefix_attention == "auto"
+                        else bool(self.shared_prefix_attention))
         if self._kv_dtype is not None:
             self.model.set_attn_implementation(FLOAT32_SDPA)
         elif self.device == "cpu" and self.model.config._attn_implementation == "sdpa":
             self.model.set_attn_implementation(GROUPED_SDPA)
+        # only our attention functions know how to attend to a prefix kept outside the decoding cache
+        self._attend_prefix_apart = attend_apart and self.model.config._attn_implementation in (GROUPED_SDPA,
+                                                                                                 FLOAT32_SDPA)
         self.tokenizer = tokenizer
         self.model_path = str(model_path)
         self._kv_store = []  # keys/values of the old weights are worthless now
@@ -310,8 +323,16 @@ class HFBackend:
         """
         device = self.device
         batch = len(prompts)
+        prefix = self._prefix_to_attend_apart(matches)
+        skip = prefix[0].shape[2] if prefix is not None else 0
+        if prefix is not None:
+            # The decoding cache holds each row's tokens after the shared prefix only: every row attends to the
+            # prefix's one copy (`_attend_to_shared_prefix`), which is neither copied into the batch nor out of it.
+            matches[:] = [(_KVEntry(entry.ids[skip:], entry.segments[1:]) if c > skip else None, c - skip)
+                          for entry, c in matches]
+        shared_kv = {"shared_kv": prefix} if prefix is not None else {}
         cached = [c for _, c in matches]
-        new = [p[c:] for p, c in zip(prompts, cached)]
+        new = [p[skip + c:] for p, c in zip(prompts, cached)]
         c_max, n_max = max(cached), max(len(x) for x in new)
         capacity = c_max + n_max + params.max_new_tokens
         groups = prefill_groups([len(x) for x in new], cached, self._attention_per_position)
@@ -320,7 +341,7 @@ class HFBackend:
             # the layer's whole cache into a grown tensor (DynamicLayer's concatenation); the same values, bit for
             # bit.
             order = list(range(batch))
-            cache, logits = self._prefill(new, matches, order, capacity)
+            cache, logits = self._prefill(new, matches, order, capacity, skip=skip, shared_kv=prefix)
         else:
             # Rows of very different lengths: each group gets its own prefill pass (less padding), over a window
             # of the decoding cache holding its rows (batch rows in group order) and positions from its longest
@@ -341,7 +362,8 @@ class HFBackend:
                 windows = []
                 for layer in cache.layers:
                     windows.append(layer.window(slice(start, stop), c_max - c_part, c_max + n_max))
-                _, part_logits = self._prefill(new, matches, rows, 0, into=windows, gap=n_max - n_part)
+                _, part_logits = self._prefill(new, matches, rows, 0, into=windows, gap=n_max - n_part, skip=skip,
+                                               shared_kv=prefix)
                 if logits is None:
                     logits = part_logits.new_empty(batch, *part_logits.shape[1:])
                 logits[start:stop] = part_logits
@@ -406,10 +428,10 @@ class HFBackend:
                     budget -= known
                     new_store.append(self._extract_row(cache, b, c_max - cached[row], cached[row],
                                                        c_max + n_max - len(new[row]), prompts[row] + tokens[row][:-1],
-                                                       bases[row]))
+                                                       bases[row], prefix))
                 results[row] = self._finish_row(tokens[row], logprobs[row], temp_logprobs[row], params.stop,
                                                 len(prompts[row]))
-                results[row].extra.update(prefill_tokens=len(new[row]), cached_tokens=cached[row])
+                results[row].extra.update(prefill_tokens=len(new[row]), cached_tokens=skip + cached[row])
             if not keep:
                 break
             if len(keep) < len(active):
@@ -420,18 +442,34 @@ class HFBackend:
                 active = [active[b] for b in keep]
             mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
             out = self.model(input_ids=sampled[:, None], attention_mask=mask, position_ids=next_position[:, None],
-                             cache=cache, use_cache=True, logits_to_keep=1)
+                             cache=cache, use_cache=True, logits_to_keep=1, **shared_kv)
             logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
             del out
             next_position = next_position + 1
         return results
 
+    def _prefix_to_attend_apart(self, matches: list[tuple[_KVEntry | None, int]]) -> list[torch.Tensor] | None:
+        """The first segment every row of a chunk reuses whole (the same tensors: the system prompt and few-shot
+        turns the call's first rows shared, `_share_common_prefix`), which the chunk then attends to apart; None
+        when that is off (`shared_prefix_attention`) or the rows do not all start with one such segment."""
+        if not self._attend_prefix_apart or len(matches) < 2:
+            return None
+        first = matches[0][0].segments[0] if matches[0][0] is not None else None
+        if first is None or first[0].shape[2] < MIN_SHARED_PREFIX:
+            return None
+        for entry, cached in matches:
+            if entry is None or entry.segments[0] is not first or cached < first[0].shape[2]:
+                return None
+        return first
+
     def _prefill(self, new: list[list[int]], matches: list[tuple[_KVEntry | None, int]], rows: list[int],
-                 capacity: int, into: list[ReservedCacheLayer] | None = None,
-                 gap: int = 0) -> tuple[DynamicCache, torch.Tensor]:
+                 capacity: int, into: list[ReservedCacheLayer] | None = None, gap: int = 0, skip: int = 0,
+                 shared_kv: list[torch.Tensor] | None = None) -> tuple[DynamicCache, torch.Tensor]:
         """One forward pass over `rows`' uncached tokens after their reused keys/values. Row i (c cached, n new
         tokens) is laid out as [pad x (C-c)] [cached] [pad x gap] [pad x (N-n)] [new] (C, N: the rows' largest);
         pads are masked, and position ids count only real tokens, so each row sees exactly its own sequence.
+        With `shared_kv` (one (2, kv heads, `skip`, head dim) tensor per layer), every row's sequence starts with
+        those `skip` tokens, attended apart and not in the cache: positions start after them.
         The cache's layers are `into` (windows of a larger cache) or new ones with room for `capacity`
         positions. Returns the cache and each row's float32 logits of its next token."""
         threads.refresh()
@@ -452,22 +490,26 @@ class HFBackend:
         input_ids = torch.tensor([[pad] * (n_max - len(x)) + x for x in part], device=device)
         mask = torch.tensor([[0] * (c_max - c) + [1] * c + [0] * (gap + n_max - len(x)) + [1] * len(x)
                              for c, x in zip(cached, part)], device=device)
-        positions = torch.tensor([[0] * (n_max - len(x)) + list(range(c, c + len(x)))
+        positions = torch.tensor([[0] * (n_max - len(x)) + list(range(skip + c, skip + c + len(x)))
                                   for c, x in zip(cached, part)], device=device)
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,
-                         use_cache=True, logits_to_keep=1)
+                         use_cache=True, logits_to_keep=1, **({"shared_kv": shared_kv} if shared_kv else {}))
         return cache, out.logits[:, -1].to(copy=True, dtype=torch.float32)
 
     @staticmethod
     def _extract_row(cache: DynamicCache, b: int, cached_at: int, n_cached: int, new_at: int,
-                     ids: list[int], base: _KVEntry | None = None) -> _KVEntry:
+                     ids: list[int], base: _KVEntry | None = None,
+                     prefix: list[torch.Tensor] | None = None) -> _KVEntry:
         """Batch row b's keys/values without pads: [cached_at, cached_at + n_cached) then [new_at, end). With
         `base`, the entry the row's n_cached cached tokens were preloaded from, base's first segment (the prefix
         a call's rows share: the system prompt and few-shot turns, or an older turn's tokens) is kept as it is, not
-        copied, when the cached part covers it; the rest is copied as one segment."""
-        end = new_at + len(ids) - n_cached
+        copied, when the cached part covers it; the rest is copied as one segment. With `prefix`, the keys/values
+        of `ids`' first tokens, attended apart (the cache holds the tokens after them), it is the first segment."""
+        end = new_at + len(ids) - n_cached - (prefix[0].shape[2] if prefix is not None else 0)
         shared = base.segments[0] if base is not None else None
-        if shared is not None and shared[0].shape[2] <= n_cached:
+        if prefix is not None:
+            segments = [prefix]
+        elif shared is not None and shared[0].shape[2] <= n_cached:
             # base's first segment is shared (views); the rest is copied (one segment: fewer, larger copies next turn)
             kept = shared[0].shape[2]
             segments, cached_at, n_cached = [shared], cached_at + kept, n_cached - kept
@@ -691,7 +733,11 @@ def _sdpa_grouped(module, query, key, value, attention_mask, dropout=0.0, scalin
     on CPU attends with `enable_gqa` instead of first copying each key/value head once per query head it serves
     (transformers does that copy whenever there is a mask, which our padded batches always have). The same
     output bit for bit; a prefill over a 1,000-token cache took 0.57x the time (see docs/performance.md).
-    Decoding steps (one query token) go to transformers unchanged: it already attends there without the copy."""
+    Decoding steps (one query token) go to transformers unchanged: it already attends there without the copy.
+    With `shared_kv` (the hf backend's shared prefix, kept outside the cache), see `_attend_to_shared_prefix`."""
+    shared = kwargs.pop("shared_kv", None)
+    if shared is not None:
+        return _attend_to_shared_prefix(module, query, key, value, attention_mask, scaling, shared), None
     groups = getattr(module, "num_key_value_groups", 1)
     if (query.shape[2] == 1 or groups == 1 or query.device.type != "cpu" or attention_mask is None
             or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
@@ -701,6 +747,44 @@ def _sdpa_grouped(module, query, key, value, attention_mask, dropout=0.0, scalin
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                                            dropout_p=dropout, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _attend_to_shared_prefix(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, scaling: float | None,
+                             shared: list[torch.Tensor]) -> torch.Tensor:
+    """Attention of every row's queries to a token prefix all rows share, then to their own keys/values (`key`,
+    `value`: the cache, which holds each row's tokens after the prefix), merged through the two parts' log-sum-exps
+    (cascade attention): the prefix's keys/values (`shared[layer]`, (2, kv heads, p, head dim)) are read once for
+    the whole batch, as one matrix product over all rows' queries, instead of once per row from a copy in each.
+    The same attention up to float rounding (the softmax is summed in two parts). Returns (batch, query length,
+    heads, head dim), as the attention functions do."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    batch, heads, length, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    scale = scaling if scaling is not None else dim ** -0.5
+    if attention_mask is None and length > 1:   # causal over the cache's last `length` positions
+        span = key.shape[2]
+        attention_mask = (torch.arange(span, device=query.device)[None, :]
+                          <= torch.arange(span - length, span, device=query.device)[:, None])[None, None]
+    blind = None   # queries that see none of their own keys (pads): the kernel gives them a log-sum-exp of 0
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        blind = ~attention_mask.any(-1)
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype,
+                                     device=query.device).masked_fill_(~attention_mask, float("-inf"))
+    own, own_lse = flash(query, key, value, attn_mask=attention_mask, scale=scale)
+    if blind is not None and blind.any():
+        own_lse = own_lse.masked_fill(blind, float("-inf"))
+    # the prefix: all rows' queries of a key/value head as the rows of one (batch 1) attention
+    kv = shared[module.layer_idx]
+    rows = query.reshape(batch, kv_heads, groups, length, dim).transpose(0, 1).reshape(1, kv_heads, -1, dim)
+    head, head_lse = flash(rows, kv[0:1], kv[1:2], scale=scale)
+    head = head.view(kv_heads, batch, groups, length, dim).transpose(0, 1).reshape(batch, heads, length, dim)
+    head_lse = head_lse.view(kv_heads, batch, groups, length).transpose(0, 1).reshape(batch, heads, length)
+    top = torch.maximum(own_lse, head_lse)
+    own_weight, head_weight = (own_lse - top).exp_()[..., None], (head_lse - top).exp_()[..., None]
+    out = (own * own_weight + head * head_weight) / (own_weight + head_weight)
+    return out.transpose(1, 2).contiguous()
 
 
 def _sdpa_in_float32(module, query, key, value, attention_mask, **kwargs):

@@ -11,14 +11,15 @@ def test_the_engine_bench_splits_prefill_from_decoding():
     from bench.engine import split_report
 
     model = _Model()
-    passes = [{"rows": 2, "query": 5, "real": 8, "width": 5, "seconds": 1.0},    # a padded prefill
-              {"rows": 2, "query": 1, "real": 2, "width": 6, "seconds": 0.5},    # two decoding steps
-              {"rows": 1, "query": 1, "real": 1, "width": 7, "seconds": 0.25}]
+    passes = [{"rows": 2, "query": 5, "real": 8, "width": 5, "shared": 0, "seconds": 1.0},    # a padded prefill
+              {"rows": 2, "query": 1, "real": 2, "width": 6, "shared": 0, "seconds": 0.5},    # two decoding steps,
+              {"rows": 1, "query": 1, "real": 1, "width": 3, "shared": 4, "seconds": 0.25}]   # one with a prefix apart
     s = split_report(passes, model, generate_seconds=2.0, flops=1e9, bandwidth=1e9, kv_dtype=torch.float32)
     assert (s["prefill_tokens"], s["prefill_fed"], s["prefill_passes"]) == (8, 10, 1)
     assert (s["decode_tokens"], s["decode_steps"]) == (3, 2)
     assert s["outside_seconds"] == 0.25 and s["decode_rows"] == 1.5 and s["decode_context"] == 6.5
-    least = roofline.decode_step_limit(model, 2, 6, 1e9, 1e9) + roofline.decode_step_limit(model, 1, 7, 1e9, 1e9)
+    least = (roofline.decode_step_limit(model, 2, 6, 1e9, 1e9)
+             + roofline.decode_step_limit(model, 1, 3, 1e9, 1e9, shared=4))
     assert s["decode_of_limit"] == least / 0.75
 
 

@@ -45,6 +45,8 @@ def test_decode_step_bytes_count_the_weights_once_and_each_rows_keys_and_values(
     assert roofline.kv_bytes_per_position(model) == per_position
     assert roofline.kv_bytes_per_position(model, torch.bfloat16) == per_position // 2
     assert roofline.decode_step_bytes(model, rows=3, context=10) == 1024 + 3 * 10 * per_position
+    # a prefix all rows attend to from one copy is read once
+    assert roofline.decode_step_bytes(model, rows=3, context=4, shared=6) == 1024 + (3 * 4 + 6) * per_position
 
 
 def test_a_decode_step_is_bound_by_the_slower_of_its_two_roofs():

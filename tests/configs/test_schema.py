@@ -104,7 +104,8 @@ def test_the_configuration_reference_page_is_what_the_schema_says():
 def test_backend_kind_and_its_own_options_section(tmp_path):
     cfg = load_config([], ["backend.hf.kv_reuse=true", "backend.hf.max_batch_size=4"])
     assert cfg.backend.options() == {"dtype": None, "max_batch_size": 4, "kv_reuse": True, "sampler": "full",
-                                     "packed_linears": True, "max_live_episodes": None}
+                                     "packed_linears": True, "shared_prefix_attention": "auto",
+                                     "max_live_episodes": None}
     with pytest.raises(ConfigError, match=r"--set backend.kind=vllmx: backend.*unknown backend 'vllmx'"):
         load_config([], ["backend.kind=vllmx"])
     with pytest.raises(ConfigError, match=r"backend.max_batch_size: unknown key"):

@@ -27,9 +27,11 @@ def plain(tiny_path):
     return HFBackend(tiny_path, max_batch_size=4)
 
 
-@pytest.fixture()
-def reusing(tiny_path):
-    return HFBackend(tiny_path, max_batch_size=4, kv_reuse=True)
+@pytest.fixture(params=[False, True], ids=["prefix-in-cache", "prefix-apart"])
+def reusing(tiny_path, request):
+    """The reusing backend both ways: a shared prefix copied into every row's cache, and attended apart
+    (`shared_prefix_attention`; on by default only for half-precision weights, so forced on here)."""
+    return HFBackend(tiny_path, max_batch_size=4, kv_reuse=True, shared_prefix_attention=request.param)
 
 
 def _assert_same(expected, got, tol=1e-4):
@@ -362,3 +364,37 @@ def test_a_turns_entry_shares_the_keys_values_it_reused_and_holds_the_whole_sequ
                 assert torch.allclose(stored[1], layer.values[0], atol=1e-4)
         assert len(storage) == len(reusing.model.model.layers)   # one shared prefix, never copied
         conversations = _next_turn(conversations, gens, turn)
+
+
+def test_the_shared_prefix_is_attended_apart_when_on_and_auto_means_half_precision(tiny_path, plain, monkeypatch):
+    """`shared_prefix_attention` on: every chunk whose rows all start with the call's shared prefix attends to that
+    prefix apart (one copy, outside the rows' cache) and generates what the plain path does, turn after turn; off:
+    never. auto: on for bfloat16 weights on CPU, off for float32 (the gate's greedy plays stay as they were)."""
+    from rsiflow.models import hf_backend
+
+    seen = []
+    real = hf_backend._attend_to_shared_prefix
+    monkeypatch.setattr(hf_backend, "_attend_to_shared_prefix",
+                        lambda *args: seen.append(args[6][0].shape[2]) or real(*args))
+    demo = [{"role": "system", "content": "You play a text adventure. Answer with one action. " * 3},
+            {"role": "user", "content": "Example room: " + "a table, " * 20 + "a door. Your action:"},
+            {"role": "assistant", "content": "open door"}]
+    for on in (False, True):
+        seen.clear()
+        backend = HFBackend(tiny_path, max_batch_size=4, kv_reuse=True, shared_prefix_attention=on)
+        conversations = [demo + [{"role": "user", "content": f"Room {i}: " + "a chair, " * i + "Your action:"}]
+                         for i in range(6)]
+        for turn in range(3):
+            got = backend.generate(conversations, GREEDY)
+            _assert_same(plain.generate(conversations, GREEDY), got)
+            conversations = _next_turn(conversations, got, turn)
+        assert bool(seen) == on
+        if on:   # always the call's shared prefix (system prompt + example), never more
+            assert len(set(seen)) == 1 and seen[0] > 60
+            assert all(len(entry.segments) == 2 and entry.segments[0][0].shape[2] == seen[0]
+                       for entry in backend._kv_store)
+    assert not HFBackend(tiny_path, kv_reuse=True)._attend_prefix_apart
+    if not torch.cuda.is_available():
+        assert HFBackend(tiny_path, kv_reuse=True, dtype="bfloat16")._attend_prefix_apart
+    with pytest.raises(ValueError, match="shared_prefix_attention"):
+        HFBackend(tiny_path, kv_reuse=True, shared_prefix_attention="sometimes")
