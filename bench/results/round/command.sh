@@ -2,13 +2,14 @@
 # A default household round (configs/default.yaml, its first round) before and after issue 25's performance work,
 # on one quiet machine in one invocation: the code of $OLD (default 62a44c2, where the issue's figures were taken)
 # against this checkout (its defaults: packed Linear layers; since 2026-12-07 rollouts in bfloat16 where the CPU runs
-# it natively, `backend.hf.dtype: auto`, the gate still in float32) and this checkout with float32 rollouts
-# (`backend.hf.dtype=float32`), interleaved and each pair twice: this machine's speed drifts by 10-20% within an
+# it natively, `backend.hf.dtype: auto`, the gate still in float32, and the shared prefix attended apart in the bf16
+# rollouts), this checkout without the last (`backend.hf.shared_prefix_attention=false`) and with float32 rollouts
+# (`backend.hf.dtype=float32`), interleaved and each set twice: this machine's speed drifts by 10-20% within an
 # hour, so compare within a pair. (Earlier outputs ran other variants: packed_linears=false, sampler=nucleus, bf16
 # rollouts and gate; see git history.) Each `python -m bench.round` prints where its round's wall time went; all of
 # it goes to output-<date>-<HHMM>.txt here. The old code runs from a temporary export with a copy of this
 # checkout's .venv (its editable install re-pointed), removed at the end (~2.3 GB while it runs). Run it on a quiet
-# machine: ~25 minutes.
+# machine: ~30 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."   # the repository root
 ROOT=$PWD OLD=${OLD:-62a44c2}
@@ -24,6 +25,8 @@ export PREFECT_SERVER_ANALYTICS_ENABLED=false TOKENIZERS_PARALLELISM=false
     (cd "$tmp" && PREFECT_HOME="$tmp/prefect-old" .venv/bin/python -m bench.round)
     echo "== pass $pass: $(git rev-parse --short HEAD): python -m bench.round"
     PREFECT_HOME="$tmp/prefect-new" .venv/bin/python -m bench.round
+    echo "== pass $pass: $(git rev-parse --short HEAD): python -m bench.round --set backend.hf.shared_prefix_attention=false"
+    PREFECT_HOME="$tmp/prefect-nospa" .venv/bin/python -m bench.round --set backend.hf.shared_prefix_attention=false
     echo "== pass $pass: $(git rev-parse --short HEAD): python -m bench.round --set backend.hf.dtype=float32"
     PREFECT_HOME="$tmp/prefect-fp32" .venv/bin/python -m bench.round --set backend.hf.dtype=float32
   done
