@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # `backend.hf.shared_prefix_attention` (the prefix all rows of a batch share attended once, outside the rows'
-# caches) measured two ways, on a quiet machine (~20 minutes):
+# caches) measured three ways, on a quiet machine (~20 minutes):
+# 0. one layer's attention, prefix in every row against apart (python -m bench.shared_prefix), twice:
+#    layer-<date>.txt;
 # 1. the bf16 rollout engine (a default round's 48 household episodes x 6 turns, nucleus sampler) without and with
 #    it, interleaved, twice: engine-<date>.txt;
 # 2. float32 greedy plays of 96 held-out household tasks as the gate plays them, without and with it (forced on:
@@ -10,6 +12,10 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."   # the repository root
 OUT=bench/results/shared-prefix
 export PREFECT_SERVER_ANALYTICS_ENABLED=false TOKENIZERS_PARALLELISM=false
+{
+  echo "== $(git rev-parse --short HEAD): python -m bench.shared_prefix (twice, quiet)"
+  .venv/bin/python -m bench.shared_prefix && .venv/bin/python -m bench.shared_prefix
+} | tee "$OUT/layer-$(date +%F).txt"
 for pass in 1 2; do
   for mode in off on; do
     echo "== pass $pass shared-prefix-attention $mode"
