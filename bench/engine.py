@@ -86,6 +86,41 @@ class ForwardClock:
             h.remove()
 
 
+class AttentionClock:
+    """Wall seconds inside the hf backend's attention function (`_sdpa_grouped`, which the float32-attention path
+    of half-precision weights calls too), prefill calls and decoding steps apart, a prefix attended apart
+    (`shared_kv`) counted with them: what attention costs of the forward passes `ForwardClock` times. Wraps the
+    function where the model looks it up (its registered name) until `remove`."""
+
+    def __init__(self):
+        from transformers import AttentionInterface
+
+        from rsiflow.models import hf_backend
+
+        self.seconds = {"prefill": 0.0, "decoding": 0.0}
+        self.calls = {"prefill": 0, "decoding": 0}
+        self._inner = inner = hf_backend._sdpa_grouped
+
+        def timed(module, query, *args, **kwargs):
+            start = time.perf_counter()
+            out = inner(module, query, *args, **kwargs)
+            kind = "decoding" if query.shape[2] == 1 else "prefill"
+            self.seconds[kind] += time.perf_counter() - start
+            self.calls[kind] += 1
+            return out
+
+        hf_backend._sdpa_grouped = timed   # `_sdpa_in_float32` calls it by this name
+        AttentionInterface.register(hf_backend.GROUPED_SDPA, timed)
+
+    def remove(self) -> None:
+        from transformers import AttentionInterface
+
+        from rsiflow.models import hf_backend
+
+        hf_backend._sdpa_grouped = self._inner
+        AttentionInterface.register(hf_backend.GROUPED_SDPA, self._inner)
+
+
 def _cached(cache) -> int:
     """Positions already in a cache passed to a forward without a mask (0: none)."""
     return int(cache.get_seq_length()) if cache is not None else 0
@@ -190,6 +225,8 @@ def main() -> None:
     ap.add_argument("--sampler", default="full", choices=["full", "nucleus"], help="backend.hf.sampler")
     ap.add_argument("--shared-prefix-attention", default="auto", choices=["auto", "on", "off"],
                     help="backend.hf.shared_prefix_attention (auto: on for half-precision weights)")
+    ap.add_argument("--time-attention", action="store_true", help="also time the attention calls (prefill and "
+                    "decoding apart) inside the forward passes")
     ap.add_argument("--kv-store-tokens", type=int, default=None,
                     help="the hf backend's room for keys/values kept between calls, in tokens (default 65,536)")
     args = ap.parse_args()
@@ -204,10 +241,13 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=0.95, seed=args.seed)
     rec = Recorder(backend)
     clock = ForwardClock(backend.model)
+    attention = AttentionClock() if args.time_attention else None
     t0 = time.perf_counter()
     run_episodes(lambda: make_env("household"), episodes, rec, params, args.max_turns, max_live=args.max_live)
     engine_s = time.perf_counter() - t0
     clock.remove()
+    if attention is not None:
+        attention.remove()
     kept = sum(len(g.token_ids) for _, gens in rec.calls for g in gens)
     sampled = sum(_sampled(g) for _, gens in rec.calls for g in gens)
     base_s, base_tokens = (math.nan, 0) if args.no_baseline else baseline_seconds(backend, rec.calls, params)
@@ -249,6 +289,12 @@ def main() -> None:
           f"least {sp['decode_least_seconds']:.2f} s = {sp['decode_of_limit']:.3f} of the limit")
     print(f"other    : {sp['outside_seconds']:.2f} s of backend.generate outside forward passes "
           "(sampling, top-p, stop strings, batch bookkeeping)")
+    if attention is not None:
+        a, n = attention.seconds, attention.calls
+        print(f"attention: prefill {a['prefill']:.2f} s ({n['prefill']} layer calls) = "
+              f"{a['prefill'] / max(sp['prefill_seconds'], 1e-9):.2f} of prefill passes; decoding "
+              f"{a['decoding']:.2f} s ({n['decoding']} layer calls) = "
+              f"{a['decoding'] / max(sp['decode_seconds'], 1e-9):.2f} of decoding steps")
     if args.dtype != "float32" and args.mismatch_rows:
         m = mismatch(backend, path, rec, args.mismatch_rows, params.temperature)
         if not m["tokens"]:

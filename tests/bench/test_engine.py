@@ -42,7 +42,7 @@ def test_bench_engine_prints_its_ratios():
 def test_a_bf16_sampler_prints_its_mismatch_against_a_float32_trainer():
     out = subprocess.run([sys.executable, "-m", "bench.engine", "--model", "tiny:0", "--episodes", "2",
                           "--max-turns", "2", "--max-new-tokens", "4", "--kv-reuse", "--dtype", "bfloat16",
-                          "--no-baseline", "--mismatch-rows", "3"],
+                          "--no-baseline", "--mismatch-rows", "3", "--time-attention"],
                          cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     m = re.search(r"mismatch : bfloat16 sampler vs float32 trainer over (\d+) tokens of (\d+) rows: mean \|delta "
@@ -51,3 +51,9 @@ def test_a_bf16_sampler_prints_its_mismatch_against_a_float32_trainer():
     assert m, out.stdout
     assert int(m.group(2)) == 3 and int(m.group(1)) >= 3 and 0 <= float(m.group(5)) <= 1
     assert float(m.group(3)) > 0  # bf16 rounding moves the logprobs: a mismatch of exactly 0 would mean no scoring
+    # attention timed inside the passes (the prefix the two episodes share attended apart: bf16 weights): a part of
+    # each kind of pass, every layer of every pass counted
+    a = re.search(r"attention: prefill ([0-9.]+) s \((\d+) layer calls\) = ([0-9.]+) of prefill passes; decoding "
+                  r"([0-9.]+) s \((\d+) layer calls\) = ([0-9.]+) of decoding steps", out.stdout)
+    assert a, out.stdout
+    assert int(a.group(2)) > 0 and int(a.group(5)) > 0 and 0 <= float(a.group(3)) <= 1 and 0 <= float(a.group(6)) <= 1
