@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -506,13 +507,12 @@ class HFBackend:
         copied, when the cached part covers it; the rest is copied as one segment. With `prefix`, the keys/values
         of `ids`' first tokens, attended apart (the cache holds the tokens after them), it is the first segment."""
         end = new_at + len(ids) - n_cached - (prefix[0].shape[2] if prefix is not None else 0)
-        shared = base.segments[0] if base is not None else None
         if prefix is not None:
             segments = [prefix]
-        elif shared is not None and shared[0].shape[2] <= n_cached:
+        elif base is not None and base.segments[0][0].shape[2] <= n_cached:
             # base's first segment is shared (views); the rest is copied (one segment: fewer, larger copies next turn)
-            kept = shared[0].shape[2]
-            segments, cached_at, n_cached = [shared], cached_at + kept, n_cached - kept
+            kept = base.segments[0][0].shape[2]
+            segments, cached_at, n_cached = [base.segments[0]], cached_at + kept, n_cached - kept
         else:
             segments = []
         kv = []
@@ -630,12 +630,12 @@ class ReservedCacheLayer(DynamicLayer):
         self.length = length
         self.keys, self.values = self._keys[..., :length, :], self._values[..., :length, :]
 
-    def preload(self, rows: list[torch.Tensor | list[torch.Tensor] | None], width: int, gap: int = 0) -> None:
-        """Fill an empty layer with one batch row per entry of `rows` (keys and values of c cached positions,
-        (2, heads, c, dim), or a list of such parts laid one after the other; None for c = 0), right-aligned in
-        `width` positions after zeroed pads, then `gap` zeroed positions in every row (pads are masked, but must be
-        finite), written straight into the buffer (allocated here unless `allocate` or `window` gave one)."""
-        rows = [[kv] if isinstance(kv, torch.Tensor) else kv for kv in rows]
+    def preload(self, rows: list[list[torch.Tensor] | None], width: int, gap: int = 0) -> None:
+        """Fill an empty layer with one batch row per entry of `rows` (keys and values of c cached positions as
+        parts laid one after the other, each (2, heads, n, dim), their n summing to c; None for c = 0),
+        right-aligned in `width` positions after zeroed pads, then `gap` zeroed positions in every row (pads are
+        masked, but must be finite), written straight into the buffer (allocated here unless `allocate` or `window`
+        gave one)."""
         if self._keys is None:
             template = next(parts[0] for parts in rows if parts)
             _, heads, _, dim = template.shape
@@ -767,13 +767,9 @@ def _attend_to_shared_prefix(module, query: torch.Tensor, key: torch.Tensor, val
         span = key.shape[2]
         attention_mask = (torch.arange(span, device=query.device)[None, :]
                           <= torch.arange(span - length, span, device=query.device)[:, None])[None, None]
-    blind = None   # queries that see none of their own keys (pads): the kernel gives them a log-sum-exp of 0
-    if attention_mask is not None and attention_mask.dtype == torch.bool:
-        blind = ~attention_mask.any(-1)
-        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype,
-                                     device=query.device).masked_fill_(~attention_mask, float("-inf"))
+    attention_mask, blind = _additive_mask(attention_mask, query.dtype)
     own, own_lse = flash(query, key, value, attn_mask=attention_mask, scale=scale)
-    if blind is not None and blind.any():
+    if blind is not None:
         own_lse = own_lse.masked_fill(blind, float("-inf"))
     # the prefix: all rows' queries of a key/value head as the rows of one (batch 1) attention
     kv = shared[module.layer_idx]
@@ -785,6 +781,27 @@ def _attend_to_shared_prefix(module, query: torch.Tensor, key: torch.Tensor, val
     own_weight, head_weight = (own_lse - top).exp_()[..., None], (head_lse - top).exp_()[..., None]
     out = (own * own_weight + head * head_weight) / (own_weight + head_weight)
     return out.transpose(1, 2).contiguous()
+
+
+_LAST_MASK: list = [None, None, None]   # the last mask `_additive_mask` converted (a weak reference) and its result
+
+
+def _additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The mask as the CPU flash kernel takes it (0 / -inf in the query's dtype) and the queries it leaves no key
+    at all (pads: the kernel gives them a log-sum-exp of 0, which the merge must not weigh), or None. Every layer
+    of a forward pass gets the same mask tensor: it is converted once, for the first layer."""
+    if mask is None:
+        return None, None
+    last, converted, blind = _LAST_MASK
+    if last is not None and last() is mask and converted.dtype == dtype:
+        return converted, blind
+    if mask.dtype == torch.bool:
+        converted = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    else:
+        converted = mask.to(dtype)
+    blind = torch.isneginf(converted).all(-1)
+    _LAST_MASK[:] = [weakref.ref(mask), converted, blind if blind.any() else None]
+    return converted, _LAST_MASK[2]
 
 
 def _sdpa_in_float32(module, query, key, value, attention_mask, **kwargs):

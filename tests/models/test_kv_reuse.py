@@ -398,3 +398,31 @@ def test_the_shared_prefix_is_attended_apart_when_on_and_auto_means_half_precisi
         assert HFBackend(tiny_path, kv_reuse=True, dtype="bfloat16")._attend_prefix_apart
     with pytest.raises(ValueError, match="shared_prefix_attention"):
         HFBackend(tiny_path, kv_reuse=True, shared_prefix_attention="sometimes")
+
+
+def test_shared_prefix_attention_equals_attention_over_whole_rows_pads_and_float_masks_included():
+    """`_attend_to_shared_prefix` against SDPA over [prefix][own] per row: a query that sees none of its own keys (a
+    pad) attends to the prefix alone; a bool mask and its additive float form give the same; each layer of a pass
+    gets the same mask object, converted once."""
+    from types import SimpleNamespace
+
+    from rsiflow.models.hf_backend import _attend_to_shared_prefix
+
+    g = torch.Generator().manual_seed(7)
+    query, key, value = (torch.randn(2, 4, 3, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g),
+                         torch.randn(2, 2, 5, 8, generator=g))
+    prefix = torch.randn(2, 2, 6, 8, generator=g)
+    mask = torch.ones(2, 1, 3, 5, dtype=torch.bool)
+    mask[0, :, 0] = False          # row 0's first query sees none of its own keys
+    mask[1, :, :, :2] = False      # row 1 has two pads before its tokens
+    whole_k = torch.cat([prefix[0:1].expand(2, -1, -1, -1), key], 2)
+    whole_v = torch.cat([prefix[1:2].expand(2, -1, -1, -1), value], 2)
+    whole_mask = torch.cat([torch.ones(2, 1, 3, 6, dtype=torch.bool), mask], 3)
+    expected = torch.nn.functional.scaled_dot_product_attention(query, whole_k, whole_v, attn_mask=whole_mask,
+                                                                enable_gqa=True).transpose(1, 2)
+    additive = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+    for layer in (0, 1):           # two layers of one pass: the same mask tensor
+        for m in (mask, additive):
+            got = _attend_to_shared_prefix(SimpleNamespace(layer_idx=layer), query, key, value, m, None,
+                                           [prefix, prefix])
+            assert torch.allclose(got, expected, atol=1e-5)

@@ -56,7 +56,8 @@ def test_preloaded_and_placed_rows_are_the_padded_layout_a_dynamic_layer_gets():
             padded[:, b, :, 5 - c:] = kv
     plain, reserved = DynamicLayer(), ReservedCacheLayer(capacity=9)
     plain.update(padded[0], padded[1])
-    reserved.preload(rows, width=5)
+    # each row as its parts laid end to end (the first row in two segments, as a reused entry keeps them)
+    reserved.preload([[rows[0][:, :, :2], rows[0][:, :, 2:]], None, [rows[2]]], width=5)
     _assert_same(plain, reserved)
     k, v = _kv(3, 2, seed=4)  # the new tokens then go in place after them
     assert all(torch.equal(a, b) for a, b in zip(reserved.update(k, v), plain.update(k, v)))
@@ -73,7 +74,7 @@ def test_a_window_prefills_straight_into_its_rows_and_positions_of_a_larger_cach
     g = torch.Generator().manual_seed(5)
     rows = [torch.randn(2, 3, 5, 8, generator=g), torch.randn(2, 3, 3, 8, generator=g)]
     window = chunk.window(slice(1, 3), 2, 11)
-    window.preload(rows, width=5, gap=2)
+    window.preload([[kv] for kv in rows], width=5, gap=2)
     assert window.get_seq_length() == 7
     k, v = _kv(2, 2, seed=6)
     window.update(k, v)
