@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({
-            "configs": args.config, "overrides": args.set, "models": models, "dtypes": dtypes,
+            "configs": args.config, "overrides": args.set, "models": models, "key": key, "dtypes": dtypes,
             "task_ids": [t.task_id for t in tasks], "samples": args.samples, "seconds": seconds,
             "figures": figures, "gates": gates,
             "outcomes": {d: {tag: {k: v for k, v in r.items() if k in ("greedy", "sampled")}
