@@ -41,6 +41,7 @@ finished rows from the batch. `prompt_tokens` stays the full prompt; `extra["pre
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 import weakref
@@ -70,6 +71,7 @@ from rsiflow.models.backend import (
     finish_row,
     interrupted_since,
     interrupts,
+    native_bf16,
     raise_if_interrupted,
 )
 from rsiflow.models.loading import load_model_and_tokenizer
@@ -147,6 +149,12 @@ class HFBackend:
         self.packed_linears = packed_linears
         self.trust_remote_code = trust_remote_code
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cpu" and dtype == "bfloat16" and not native_bf16() and not _SLOW_BF16_SAID:
+            _SLOW_BF16_SAID.append(True)
+            logging.getLogger(__name__).warning(
+                "the hf backend runs in bfloat16 on a CPU without bf16 matrix instructions (AVX512-BF16 or AMX): "
+                "PyTorch emulates them there, several times slower than float32 (SmolLM2-135M's Linear layers on an "
+                "AVX2 CPU: 7.6 against 48-68 GFLOP/s); backend.hf.dtype: auto samples in float32 on such a CPU")
         self._load(model_path)
 
     @classmethod
@@ -783,6 +791,7 @@ def _attend_to_shared_prefix(module, query: torch.Tensor, key: torch.Tensor, val
     return out.transpose(1, 2).contiguous()
 
 
+_SLOW_BF16_SAID: list = []   # the warning that bfloat16 is emulated on this CPU, said once a process
 _LAST_MASK: list = [None, None, None]   # the last mask `_additive_mask` converted (a weak reference) and its result
 
 

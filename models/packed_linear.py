@@ -7,9 +7,10 @@ kernel's blocked layout on every call. For the few rows of a decoding step that 
 (`torch.ops.mkldnn._reorder_linear_weight`, what `torch.compile`'s CPU backend does for frozen weights), ran the
 same Linear layers 1.5-3.9x faster at 3-48 rows (the lm_head at 10 rows 5x) and 1.1-1.3x at 256-4,096 rows
 (prefill); the step took 81 ms. bfloat16 layers already run on oneDNN, without the packing: packed they run
-1.4-1.75x faster at decoding sizes, bit for bit the same. In float32 the two libraries sum in different orders:
-outputs differ in the last bits (~1e-4 of values of ~10), as they do between batch layouts (`python -m
-bench.packed` checks the generations).
+1.4-1.75x faster at decoding sizes, bit for bit the same, where oneDNN packs bfloat16 weights at all (a CPU with
+AVX512-BW/VL/DQ or AVX-NE-CONVERT; on an AVX2-only CPU bfloat16 layers stay PyTorch's, `available`). In float32
+the two libraries sum in different orders: outputs differ in the last bits (~1e-4 of values of ~10), as they do
+between batch layouts (`python -m bench.packed` checks the generations).
 
 `pack_linears(model)` switches every Linear of an inference model to `PackedLinear`. A call that needs gradients
 runs PyTorch's own Linear (F.linear); a weight replaced (`model.to(...)`) or changed in place since it was packed is
@@ -26,17 +27,27 @@ import torch.nn.functional as F
 
 # Rows the packing is tuned for (oneDNN takes it as a hint; any row count works): a decoding batch.
 ROWS_HINT = 16
-_warned: list[str] = []   # the reason packing is off, once said in this process
+_warned: list[str] = []   # the reasons packing is off, each said once in this process
 
 
-def available() -> str | None:
-    """None when packed Linear layers can run in this PyTorch, else why not."""
+_dtype_reasons: dict[torch.dtype, str | None] = {}   # available(dtype)'s answer, probed once a process
+
+
+def available(dtype: torch.dtype = torch.float32) -> str | None:
+    """None when Linear layers of `dtype` can run packed in this PyTorch on this CPU, else why not."""
     if not torch.backends.mkldnn.is_available():
         return "this PyTorch has no oneDNN (mkldnn)"
     ops = torch.ops.mkldnn
     if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
         return "this PyTorch's oneDNN has no packed-weight linear ops"
-    return None
+    if dtype not in _dtype_reasons:   # oneDNN packs bfloat16 only on CPUs with the instructions for it
+        try:
+            packed = ops._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), ROWS_HINT)
+            ops._linear_pointwise(torch.zeros(2, 8, dtype=dtype), packed, None, "none", [], "")
+            _dtype_reasons[dtype] = None
+        except RuntimeError as e:
+            _dtype_reasons[dtype] = f"oneDNN packs no {str(dtype).removeprefix('torch.')} weights on this CPU ({e})"
+    return _dtype_reasons[dtype]
 
 
 class PackedLinear(torch.nn.Linear):
@@ -59,7 +70,8 @@ class PackedLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if (x.device.type != "cpu" or weight.device.type != "cpu" or x.dtype != weight.dtype
-                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+                or (self._packed_of is None or self._packed_of[1] != weight.dtype) and available(weight.dtype)):
             return F.linear(x, weight, self.bias)
         packed = self._packed if self._packed_of == self._key(weight) else self._pack()
         bias = None if self.bias is None else self.bias.detach()
@@ -68,17 +80,18 @@ class PackedLinear(torch.nn.Linear):
 
 def pack_linears(model: torch.nn.Module) -> int:
     """Switch the float32/bfloat16 Linear layers of `model` (on CPU) to `PackedLinear` and pack their weights now.
-    Returns how many were switched (0 where `available()` says why not: logged as a warning, once a process)."""
-    if reason := available():
-        if not _warned:
-            _warned.append(reason)
-            logging.getLogger(__name__).warning("packed Linear layers (backend.hf.packed_linears) are off: %s; "
-                                                "PyTorch's own Linear layers run instead", reason)
-        return 0
+    Returns how many were switched (none of a dtype `available(dtype)` says why not: logged as a warning, once a
+    process for each reason)."""
     n = 0
     for module in model.modules():
         if (type(module) is torch.nn.Linear and module.weight.device.type == "cpu"
                 and module.weight.dtype in (torch.float32, torch.bfloat16)):
+            if reason := available(module.weight.dtype):
+                if reason not in _warned:
+                    _warned.append(reason)
+                    logging.getLogger(__name__).warning("packed Linear layers (backend.hf.packed_linears) are off: "
+                                                        "%s; PyTorch's own Linear layers run instead", reason)
+                continue
             module.__class__ = PackedLinear
             module._pack()
             n += 1

@@ -169,6 +169,19 @@ def test_auto_rollouts_and_a_trainer_dtype_gate(monkeypatch, tiny_path, native):
         hb.clear_backends()
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_asked_for_on_a_cpu_that_emulates_it_is_warned_about_once(monkeypatch, caplog, tiny_path, native):
+    import rsiflow.models.hf_backend as hb
+
+    monkeypatch.setattr(hb, "native_bf16", lambda: native)
+    monkeypatch.setattr(hb, "_SLOW_BF16_SAID", [])
+    with caplog.at_level("WARNING", logger=hb.__name__):
+        for dtype in ("bfloat16", "bfloat16", "float32"):
+            hb.HFBackend(tiny_path, dtype=dtype, device="cpu")
+    said = [r.getMessage() for r in caplog.records if "without bf16 matrix instructions" in r.getMessage()]
+    assert len(said) == (0 if native else 1)
+
+
 def test_the_bf16_probe_agrees_with_the_cpu_flags():
     from pathlib import Path
 
