@@ -48,7 +48,7 @@ def matmul_flops(model, tokens: int = 512, seconds: float = 2.0, windows: int = 
     a = torch.randn(tokens, hidden, device=p.device, dtype=p.dtype)
     b = torch.randn(hidden, inter, device=p.device, dtype=p.dtype)
     products = [lambda: a @ b]
-    if p.device.type == "cpu" and not available():
+    if p.device.type == "cpu" and not available(p.dtype):
         linear = torch.nn.Linear(hidden, inter, bias=False, dtype=p.dtype).requires_grad_(False)
         linear.weight.copy_(b.t())
         pack_linears(linear)
