@@ -116,7 +116,8 @@ class HFBackendConfig(Section):
         True, description="On CPU, run the generation model's Linear layers through oneDNN on weights packed once at "
         "load (one more copy of them in memory) instead of PyTorch's default, which re-packs them on every call: "
         "a float32 decoding step of SmolLM2-135M 1.7x faster, prefill ~1.1x (docs/performance.md). float32 "
-        "outputs differ from the default's in the last bits (another summation order); bfloat16 ones are the same.",
+        "outputs differ from the default's in the last bits (another summation order); bfloat16 ones are the same. "
+        "Layers of a dtype oneDNN can't pack on this CPU (bfloat16 without AVX512 or AVX-NE-CONVERT) stay PyTorch's.",
     )
     shared_prefix_attention: Literal["auto"] | bool = Field(
         "auto", description="With kv_reuse, keep the token prefix all conversations of a batch share (the system "
