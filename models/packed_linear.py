@@ -30,24 +30,36 @@ ROWS_HINT = 16
 _warned: list[str] = []   # the reasons packing is off, each said once in this process
 
 
-_dtype_reasons: dict[torch.dtype, str | None] = {}   # available(dtype)'s answer, probed once a process
+_dtype_reasons: dict[torch.dtype, str | None] = {}   # available(dtype)'s answer, found once a process
 
 
 def available(dtype: torch.dtype = torch.float32) -> str | None:
-    """None when Linear layers of `dtype` can run packed in this PyTorch on this CPU, else why not."""
-    if not torch.backends.mkldnn.is_available():
-        return "this PyTorch has no oneDNN (mkldnn)"
+    """None when Linear layers of `dtype` can run packed in this PyTorch on this CPU, else why not (a lookup after
+    the first call for a dtype, so the layers ask it on every call)."""
+    if dtype in _dtype_reasons:
+        return _dtype_reasons[dtype]
     ops = torch.ops.mkldnn
-    if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
-        return "this PyTorch's oneDNN has no packed-weight linear ops"
-    if dtype not in _dtype_reasons:   # oneDNN packs bfloat16 only on CPUs with the instructions for it
+    if not torch.backends.mkldnn.is_available():
+        reason = "this PyTorch has no oneDNN (mkldnn)"
+    elif not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+        reason = "this PyTorch's oneDNN has no packed-weight linear ops"
+    else:   # oneDNN packs bfloat16 only on CPUs with the instructions for it
         try:
             packed = ops._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), ROWS_HINT)
             ops._linear_pointwise(torch.zeros(2, 8, dtype=dtype), packed, None, "none", [], "")
-            _dtype_reasons[dtype] = None
+            reason = None
         except RuntimeError as e:
-            _dtype_reasons[dtype] = f"oneDNN packs no {str(dtype).removeprefix('torch.')} weights on this CPU ({e})"
-    return _dtype_reasons[dtype]
+            reason = f"oneDNN packs no {str(dtype).removeprefix('torch.')} weights on this CPU ({e})"
+    _dtype_reasons[dtype] = reason
+    return reason
+
+
+def _say_off(reason: str) -> None:
+    """Log why packing is off, once a process for each reason."""
+    if reason not in _warned:
+        _warned.append(reason)
+        logging.getLogger(__name__).warning("packed Linear layers (backend.hf.packed_linears) are off: %s; PyTorch's "
+                                            "own Linear layers run instead", reason)
 
 
 class PackedLinear(torch.nn.Linear):
@@ -70,8 +82,10 @@ class PackedLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if (x.device.type != "cpu" or weight.device.type != "cpu" or x.dtype != weight.dtype
-                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-                or (self._packed_of is None or self._packed_of[1] != weight.dtype) and available(weight.dtype)):
+                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+            return F.linear(x, weight, self.bias)
+        if reason := available(weight.dtype):   # cast since it was packed to a dtype oneDNN can't pack here
+            _say_off(reason)
             return F.linear(x, weight, self.bias)
         packed = self._packed if self._packed_of == self._key(weight) else self._pack()
         bias = None if self.bias is None else self.bias.detach()
@@ -87,10 +101,7 @@ def pack_linears(model: torch.nn.Module) -> int:
         if (type(module) is torch.nn.Linear and module.weight.device.type == "cpu"
                 and module.weight.dtype in (torch.float32, torch.bfloat16)):
             if reason := available(module.weight.dtype):
-                if reason not in _warned:
-                    _warned.append(reason)
-                    logging.getLogger(__name__).warning("packed Linear layers (backend.hf.packed_linears) are off: "
-                                                        "%s; PyTorch's own Linear layers run instead", reason)
+                _say_off(reason)
                 continue
             module.__class__ = PackedLinear
             module._pack()
