@@ -55,16 +55,134 @@ def tiny_path(model_cache) -> Path:
 VLLM_TEST_FILES = {"test_vllm_backend.py", "test_openai_backend.py", "test_openai_multi.py", "test_served_rounds.py"}
 
 
+# Slow tests CI's slow tier leaves out (`-m "slow and not full"`, .ci/run) to stay within its 45-minute budget on a
+# 2-core CPU; the README's test command (`-m "slow or not slow"`) and `pytest -m full` run them. Each is the
+# heaviest of its kind or covers a path another CI test also takes; seconds: its time in the slow tier on two
+# workers, 2-core AVX2 EPYC, 2026-12-07 (docs/performance.md, "Test suite").
+FULL_ONLY = {
+    "tests/stores/test_lake.py::test_two_runs_at_once_on_a_lake_match_the_same_runs_on_files":
+        "405 s; the Store API, migrations, leases and step writes on a lake stay in CI",
+    "tests/flows/test_pooled_round.py::test_a_round_with_its_steps_on_two_process_pools":
+        "258 s; deployments on a work pool stay in CI (tests/flows/test_processes.py)",
+    "tests/flows/test_ui.py::test_prefect_ui_shows_rounds_history_and_a_failed_step":
+        "245 s; a Prefect server, three flow runs and a browser",
+    "tests/bench/test_share.py::test_two_rounds_at_once_are_timed_against_one_alone":
+        "200 s; a bench's own end-to-end run (four tiny runs); its options are tested in the fast tier",
+    "tests/models/test_openai_multi.py::test_two_vllm_servers_share_a_batch_and_survive_one_killed_mid_batch":
+        "174 s; a second vllm serve; the same sharing and failover run against stand-in servers in the fast tier",
+    "tests/models/test_vllm_backend.py::test_an_engine_killed_parent_leaves_no_process":
+        "152 s; an engine of its own, started to be killed",
+    "tests/models/test_vllm_backend.py::test_a_call_unwound_by_another_handler_is_not_waited_for_at_shutdown":
+        "78 s; engine shutdown paths (with the next two: a new engine after each)",
+    "tests/models/test_vllm_backend.py::test_an_interrupt_ends_the_call_in_flight_and_the_next_call_starts_a_new_engine":
+        "76 s",
+    "tests/models/test_vllm_backend.py::test_shutdown_during_a_generate_call_leaves_no_process": "70 s",
+    "tests/bench/test_compare.py::test_a_packed_run_resumes_on_a_fresh_checkout":
+        "141 s; packs are tested in the fast tier, a whole comparison stays in CI",
+    "tests/bench/test_compare.py::test_a_run_stopped_during_its_final_test_split_plays_it_on_the_next_invocation":
+        "94 s",
+    "tests/envs/test_conformance.py::test_conformance_of_scienceworld":
+        "138 s; the built-in envs' conformance stays in CI",
+    "tests/envs/test_env_rounds.py::test_default_round_runs_from_config[scienceworld]":
+        "90 s; ScienceWorld episodes and replays stay in CI (tests/envs/test_scienceworld.py)",
+    "tests/flows/test_same_figures.py::test_the_same_config_run_twice_leaves_the_same_rows_and_checkpoints[grpo]":
+        "136 s; the same check on ExIt stays in CI",
+    "tests/models/test_accelerate_train.py::test_grpo_rows_with_riding_rows_two_processes_match_one":
+        "109 s; two training processes for SFT and a GRPO round stay in CI",
+    "tests/models/test_accelerate_train.py::test_sft_distillation_and_validation_rows_two_processes_match_one":
+        "85 s",
+}
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     """Marks `slow` every test that uses the `prefect_api` fixture (it runs a Prefect flow against a
-    temporary Prefect server), also where its file has no `@pytest.mark.slow`, and puts the tests of
-    VLLM_TEST_FILES in one pytest-xdist group. `tryfirst` runs this before pytest's own `-m` selection."""
+    temporary Prefect server), also where its file has no `@pytest.mark.slow`; marks `full` (and `slow`) the tests
+    of FULL_ONLY; puts the tests of VLLM_TEST_FILES in one pytest-xdist group. `tryfirst` runs this before pytest's
+    own `-m` selection."""
     for item in items:
         if "prefect_api" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+        if item.nodeid in FULL_ONLY:
+            item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.full)
         if item.path.name in VLLM_TEST_FILES:
             item.add_marker(pytest.mark.xdist_group("vllm"))
+
+
+# ---- --cpu-durations N: the tests that took the most CPU ------------------------------------------------------------
+# On 2 cores with two pytest-xdist workers a test's wall time says little: it stretches with what the other worker
+# runs (a tiny round took 57 s alone and 284 s beside a test of four processes). CPU seconds (the worker's, with its
+# threads, plus those of every child process it waited for) are what the tier's wall time is made of.
+
+def pytest_addoption(parser):
+    parser.addoption("--cpu-durations", type=int, default=None, metavar="N",
+                     help="list the N tests that used the most CPU seconds (their process and the child processes "
+                          "they waited for, from setup to teardown) and how busy the machine's cores were")
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _machine_ticks() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all cores since boot (Linux), or None."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)   # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+_cpu_report: dict = {"tests": [], "ticks": None}
+
+
+def pytest_sessionstart(session):
+    if session.config.getoption("--cpu-durations") is not None:
+        _cpu_report["ticks"] = _machine_ticks()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if item.config.getoption("--cpu-durations") is not None:
+        item.stash[_CPU_START] = _cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if call.when == "teardown" and _CPU_START in item.stash:
+        outcome.get_result().user_properties.append(("cpu_s", _cpu_seconds() - item.stash[_CPU_START]))
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":
+        cpu = dict(report.user_properties).get("cpu_s")
+        if cpu is not None:
+            _cpu_report["tests"].append((cpu, report.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    n = config.getoption("--cpu-durations")
+    if n is None or not _cpu_report["tests"]:
+        return
+    tests = sorted(_cpu_report["tests"], reverse=True)
+    write = terminalreporter.write_line
+    terminalreporter.section(f"most CPU: {min(n, len(tests)) if n else len(tests)} of {len(tests)} tests")
+    for cpu, nodeid in tests[:n or None]:
+        write(f"{cpu:8.1f} s cpu  {nodeid}")
+    write(f"all tests: {sum(c for c, _ in tests):.1f} s cpu")
+    start, end = _cpu_report["ticks"], _machine_ticks()
+    if start and end and end[1] > start[1]:
+        write(f"the machine's cores were busy {(end[0] - start[0]) / (end[1] - start[1]):.0%} of the session "
+              f"({os.cpu_count()} cores)")
+
+
+_CPU_START = pytest.StashKey[float]()
 
 
 def vllm_python() -> str | None:
