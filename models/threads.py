@@ -40,6 +40,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 FOLDER = Path(tempfile.gettempdir()) / f"rsiflow-cores-{os.getuid() if hasattr(os, 'getuid') else 0}"
@@ -48,7 +49,10 @@ _lock = threading.Lock()
 _setting: int | str = "auto"
 _depth = 0
 _applied: int | None = None
-_late_spin_counts: set[str] = set()   # run.omp_spin_count values already reported as too late
+_late_spin_counts: set[str] = set()
+# Seconds after this process last saw another one computing before it takes every core again (threads_now).
+GROW_AFTER_S = 5.0
+_last_shared = -math.inf   # run.omp_spin_count values already reported as too late
 
 
 def machine_cores() -> int:
@@ -157,10 +161,18 @@ def share(cores: int, computing: int) -> int:
 
 def threads_now() -> int:
     """The thread count the policy gives this process now (under "auto", never more than an OMP_NUM_THREADS set
-    in the environment: a user's or `accelerate launch`'s cap)."""
+    in the environment: a user's or `accelerate launch`'s cap). A process that saw another one computing less than
+    GROW_AFTER_S ago keeps its share instead of taking every core back during the other's pause between two
+    compute calls."""
+    global _last_shared
     if _setting != "auto":
         return int(_setting)
-    n = share(machine_cores(), computing_processes() if _depth else 1)
+    computing_now = computing_processes() if _depth else 1
+    n = share(machine_cores(), computing_now)
+    if computing_now > 1:
+        _last_shared = time.monotonic()
+    elif _applied is not None and _applied < n and time.monotonic() - _last_shared < GROW_AFTER_S:
+        n = _applied
     cap = os.environ.get("OMP_NUM_THREADS", "")
     return min(n, int(cap)) if cap.isdigit() and int(cap) > 0 else n
 

@@ -19,6 +19,8 @@ def policy(tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(threads, "FOLDER", tmp_path / "cores")
     monkeypatch.setattr(threads, "machine_cores", lambda: 4)
+    monkeypatch.setattr(threads, "GROW_AFTER_S", 0.0)
+    monkeypatch.setattr(threads, "_last_shared", -float("inf"))
     before = torch.get_num_threads()
     threads.configure("auto")
     yield tmp_path / "cores"
@@ -64,6 +66,20 @@ def test_a_process_alone_takes_every_core_and_shares_them_while_another_computes
             other.communicate("\n", timeout=60)
         assert threads.refresh() == 4 and torch.get_num_threads() == 4  # the other one has ended
     assert not any(policy.iterdir())  # this process's mark goes with its region
+
+
+def test_the_cores_come_back_only_after_the_other_process_paused_a_while(policy, monkeypatch):
+    """A pause of the other process between two compute calls doesn't hand its cores over at once."""
+    monkeypatch.setattr(threads, "GROW_AFTER_S", 3600.0)
+    with threads.computing():
+        other = _other_process(policy)
+        try:
+            assert threads.refresh() == 2
+        finally:
+            other.communicate("\n", timeout=60)
+        assert threads.refresh() == 2          # the other one just paused (here: ended)
+        monkeypatch.setattr(threads, "GROW_AFTER_S", 0.0)
+        assert threads.refresh() == 4          # ... long enough ago
 
 
 def test_a_process_between_its_regions_is_not_counted(policy):
