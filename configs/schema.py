@@ -39,7 +39,8 @@ class RunConfig(Section):
     threads: Literal["auto"] | Annotated[int, Field(ge=1, le=4096)] = Field(
         "auto", description="CPU compute threads of each rsiflow process (hf generation and training): 'auto' = an "
         "even share of the machine's cores among the rsiflow processes computing on it at the time, re-counted "
-        "every batch and optimizer step (two runs on one machine don't fight over the cores); a number fixes the "
+        "every batch and optimizer step, with a process's cores taken back 5 s after it stopped computing (two runs on "
+        "one machine don't fight over the cores); a number fixes the "
         "count. Operational: it changes speed, not a run's identity; only at the same count are sampled logprobs the "
         "same to the last bit (decoding attention splits its sums over threads). See docs/performance.md.")
     omp_spin_count: int | None = Field(

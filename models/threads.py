@@ -14,10 +14,14 @@ in a per-user folder of the temporary directory for the region's length (a file 
 ignored and removed; an OMP_NUM_THREADS in the environment caps the share), and `refresh()` (called per chunk of a
 generate call, and with the hf backend's reused caches per prefill pass and decoding step, and per optimizer step)
 re-counts and changes torch's thread count when the share changed, so a process that started alone drops to its
-share as soon as another one starts computing, and takes the cores back when it ends. A process between two compute
-calls (env steps, the store, waiting on a child) is not counted: an earlier version counted it for 30 s after its
-region, which changed nothing measurable on the bench (1.63x without, 1.64x with) and gave a run started right after
-another process computed one thread.
+share as soon as another one starts computing, and takes the cores back once no other one has computed for
+GROW_AFTER_S (5 s). A process between two compute calls (env steps, the store, waiting on a child) is not counted: an
+earlier version counted it for 30 s after its region, which changed nothing measurable on the bench (1.63x without,
+1.64x with) and gave a run started right after another process computed one thread. The wait is this process's own
+memory instead: a run that starts after another ended still takes every core. Without it, on a 2-core AVX2 CPU, two
+rounds at once took 1.85-1.88x one alone under `auto` against 1.56-1.57x with one thread each; with it 1.56x
+(bench/results/share/run-7-avx2-policy1.txt, run-8-avx2-grow.txt): each pause of the other process between two calls
+handed it both cores, and when the other resumed, three threads ran on two cores until the next re-count.
 A number (`run.threads: 2`) fixes the count instead. The vLLM engine has its own setting
 (`backend.vllm.threads`); processes of `accelerate launch` each take `cores // train.processes`.
 
