@@ -624,7 +624,7 @@ def main(argv: list[str] | None = None) -> None:
 def entry() -> None:
     """The `rsiflow` command (and `python -m rsiflow.flows.cli`): `main`, then an exit that skips the garbage
     collector's passes over the whole heap while the interpreter shuts down. With torch, transformers, TRL and Prefect
-    loaded those passes took ~2.2 s of CPU per process on a 2-core EPYC, ~0.1 s after `gc.freeze()`. Refcounting
+    loaded the interpreter's exit took 2.2-2.4 s a process on 2-core EPYC, 0.3-0.4 s after `gc.freeze()`. Refcounting
     still frees the modules; atexit handlers (the logging flush, the thread policy's mark) run as before. `main` itself
     stays free of it, since tests call it in their own process."""
     try:

@@ -53,10 +53,10 @@ _lock = threading.Lock()
 _setting: int | str = "auto"
 _depth = 0
 _applied: int | None = None
-_late_spin_counts: set[str] = set()
+_late_spin_counts: set[str] = set()   # run.omp_spin_count values already reported as too late
 # Seconds after this process last saw another one computing before it takes every core again (threads_now).
 GROW_AFTER_S = 5.0
-_last_shared = -math.inf   # run.omp_spin_count values already reported as too late
+_last_shared = -math.inf   # time.monotonic() when threads_now last counted another computing process
 
 
 def machine_cores() -> int:
