@@ -124,9 +124,10 @@ class HFBackendConfig(Section):
         "auto", description="With kv_reuse, keep the token prefix all conversations of a batch share (the system "
         "prompt and few-shot turns) out of the rows' decoding cache and attend to it once for the whole batch, "
         "merged with each row's attention to its own tokens (cascade attention): the prefix is neither copied into "
-        "every row nor read once per row. The same attention up to float rounding. auto = on where attention "
-        "already runs in another dtype than the weights (half-precision weights on CPU: float32 attention), off "
-        "for float32 weights, whose greedy plays (the gate) then stay bit for bit as before.",
+        "every row nor read once per row. The same attention up to float rounding. auto = on for sampled calls "
+        "(rollouts), and for greedy ones too where attention already runs in another dtype than the weights "
+        "(half-precision weights on CPU: float32 attention); float32 greedy calls (the gate's plays) attend over "
+        "whole rows bit for bit as before, reusing no keys/values computed the other way past the prefix.",
     )
     max_live_episodes: int | None = Field(
         None, ge=1, description="Most episodes the episode runner plays at once; more are played in waves of this "

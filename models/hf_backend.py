@@ -30,7 +30,8 @@ one) with those per-layer keys/values (batch 1, no padding) -- only the latest c
 prompt length - 1, and prefills only the rest; a token prefix that all requests of a call share
 (the system prompt and few-shot turns of a batch of new episodes) and that no entry holds is
 encoded once, batch 1, and reused by each of them (with `shared_prefix_attention`, kept out of the rows'
-decoding cache and attended to once for the whole batch: `_attend_to_shared_prefix`); rows with different
+decoding cache and attended to once for the whole batch: `_attend_to_shared_prefix`; a call that attends over
+whole rows reuses only the prefix of entries computed that way, `_KVEntry.apart`); rows with different
 cached and new lengths share a batch as [pad][cached][pad][new] with explicit position ids, then a
 hand-written decode loop samples
 exactly as above (temperature, top-p, the same logprobs, eos and stop strings, `_finish_row`) and drops
@@ -102,9 +103,12 @@ class _KVEntry:
     decoding cache each turn was 3.7% of a bf16 engine run's generate time (py-spy, docs/performance.md). One
     tensor per layer, not one for all: a few MB each, which the C allocator serves from memory it already holds,
     where a single tensor of every layer (~46 MB at 1,000 tokens) is a fresh mapping each time, its pages faulted
-    in on the first write (3-4x slower to fill, one thread)."""
+    in on the first write (3-4x slower to fill, one thread). `apart`: the keys/values after the first segment were
+    computed attending to it apart (`_attend_to_shared_prefix`), equal to attention over the whole row up to float
+    rounding only, so a call that attends over whole rows reuses no more than the first segment."""
     ids: np.ndarray
     segments: list[list[torch.Tensor]]
+    apart: bool = False
 
     def head(self, n: int) -> list[list[torch.Tensor]]:
         """The segments of the first n tokens (views; the last one cut at n)."""
@@ -200,17 +204,19 @@ class HFBackend:
         # layers in the weights' dtype.
         self._kv_dtype = torch.float32 if self.device == "cpu" and self.model.dtype != torch.float32 else None
         self._attention_per_position = attention_per_position(self.model)
-        # "auto": where attention already runs in another dtype than the weights (half precision on CPU), not in
-        # float32, where attending to the prefix apart would move the trainer's greedy logits in the last bits.
-        attend_apart = (self._kv_dtype is not None if self.shared_prefix_attention == "auto"
-                        else bool(self.shared_prefix_attention))
         if self._kv_dtype is not None:
             self.model.set_attn_implementation(FLOAT32_SDPA)
         elif self.device == "cpu" and self.model.config._attn_implementation == "sdpa":
             self.model.set_attn_implementation(GROUPED_SDPA)
         # only our attention functions know how to attend to a prefix kept outside the decoding cache
-        self._attend_prefix_apart = attend_apart and self.model.config._attn_implementation in (GROUPED_SDPA,
-                                                                                                 FLOAT32_SDPA)
+        can = self.model.config._attn_implementation in (GROUPED_SDPA, FLOAT32_SDPA)
+        # "auto": sampled calls always; greedy calls (the gate's plays) where attention already runs in another
+        # dtype than the weights (half precision on CPU), not in float32, where attending to the prefix apart would
+        # move the trainer's greedy logits in the last bits.
+        on = self.shared_prefix_attention
+        self._attend_prefix_apart = {
+            "greedy": can and (self._kv_dtype is not None if on == "auto" else bool(on)),
+            "sampled": can and (True if on == "auto" else bool(on))}
         self.tokenizer = tokenizer
         self.model_path = str(model_path)
         self._kv_store = []  # keys/values of the old weights are worthless now
@@ -247,7 +253,8 @@ class HFBackend:
         if self.kv_reuse:
             # The old entries live on only in `matches` and their chunk's `bases`, dropped once the chunk is done
             # (a new entry keeps its base's first segment, the shared prefix).
-            matches = self._share_common_prefix(prompts, [self._longest_prefix(p) for p in prompts])
+            apart = self._attend_prefix_apart["sampled" if params.temperature > 0 else "greedy"]
+            matches = self._share_common_prefix(prompts, [self._longest_prefix(p, apart) for p in prompts])
             self._kv_store = []
             order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) - matches[i][1])
             new_store: list[_KVEntry] = []
@@ -264,7 +271,8 @@ class HFBackend:
                 chunk = order[start:start + self.max_batch_size]
                 if self.kv_reuse:
                     generations = self._generate_chunk_reusing(
-                        [prompts[i] for i in chunk], [matches[i] for i in chunk], params, new_store, start_count)
+                        [prompts[i] for i in chunk], [matches[i] for i in chunk], params, new_store, start_count,
+                        apart)
                     for i in chunk:
                         matches[i] = None
                 else:
@@ -277,15 +285,18 @@ class HFBackend:
 
     # ---- KV reuse -------------------------------------------------------------------------------------
 
-    def _longest_prefix(self, prompt: list[int]) -> tuple[_KVEntry | None, int]:
+    def _longest_prefix(self, prompt: list[int], apart: bool) -> tuple[_KVEntry | None, int]:
         """The stored entry sharing the longest token prefix with `prompt`, and how many of its tokens to
-        reuse (at most len(prompt) - 1: at least one token must be fed to get logits)."""
+        reuse (at most len(prompt) - 1: at least one token must be fed to get logits). A call that does not attend
+        to its shared prefix apart reuses only the first segment of an entry computed that way (`_KVEntry.apart`)."""
         best, best_len = None, 0
         if len(prompt) < 2 or not self._kv_store:
             return None, 0
         ids = np.asarray(prompt, dtype=np.int64)
         for entry in self._kv_store:
             n = min(len(ids), len(entry.ids))
+            if entry.apart and not apart:
+                n = min(n, entry.segments[0][0].shape[2])
             if n <= best_len:
                 continue
             differ = np.flatnonzero(ids[:n] != entry.ids[:n])
@@ -322,17 +333,18 @@ class HFBackend:
 
     def _generate_chunk_reusing(self, prompts: list[list[int]], matches: list[tuple[_KVEntry | None, int]],
                                 params: SamplingParams, new_store: list[_KVEntry],
-                                start_count: int) -> list[Generation]:
+                                start_count: int, apart: bool) -> list[Generation]:
         """Prefill each row's uncached tokens after its reused keys/values, then decode token by token
         (`Interrupted` between two tokens once rsiflow is stopping: `start_count` as in models.backend).
 
         The decoding cache lays row i (c cached, n new tokens) out as [pad x (C-c)] [cached] [pad x (N-n)] [new]
         (C, N: the chunk's largest); pads are masked, and position ids count only real tokens, so each row sees
         exactly its own sequence. Rows whose lengths differ widely are prefilled in groups (`prefill_groups`).
+        With `apart`, a shared prefix all rows reuse is attended apart (`_prefix_to_attend_apart`).
         """
         device = self.device
         batch = len(prompts)
-        prefix = self._prefix_to_attend_apart(matches)
+        prefix = self._prefix_to_attend_apart(matches) if apart else None
         skip = prefix[0].shape[2] if prefix is not None else 0
         if prefix is not None:
             # The decoding cache holds each row's tokens after the shared prefix only: every row attends to the
@@ -460,8 +472,8 @@ class HFBackend:
     def _prefix_to_attend_apart(self, matches: list[tuple[_KVEntry | None, int]]) -> list[torch.Tensor] | None:
         """The first segment every row of a chunk reuses whole (the same tensors: the system prompt and few-shot
         turns the call's first rows shared, `_share_common_prefix`), which the chunk then attends to apart; None
-        when that is off (`shared_prefix_attention`) or the rows do not all start with one such segment."""
-        if not self._attend_prefix_apart or len(matches) < 2:
+        when the rows do not all start with one such segment."""
+        if len(matches) < 2:
             return None
         first = matches[0][0].segments[0] if matches[0][0] is not None else None
         if first is None or first[0].shape[2] < MIN_SHARED_PREFIX:
@@ -515,6 +527,8 @@ class HFBackend:
         copied, when the cached part covers it; the rest is copied as one segment. With `prefix`, the keys/values
         of `ids`' first tokens, attended apart (the cache holds the tokens after them), it is the first segment."""
         end = new_at + len(ids) - n_cached - (prefix[0].shape[2] if prefix is not None else 0)
+        # computed attending apart: with the prefix apart now, or copied from such an entry past its first segment
+        apart = prefix is not None or (base is not None and base.apart and base.segments[0][0].shape[2] < n_cached)
         if prefix is not None:
             segments = [prefix]
         elif base is not None and base.segments[0][0].shape[2] <= n_cached:
@@ -532,7 +546,7 @@ class HFBackend:
                     entry[j, :, :n_cached] = t[b, :, cached_at:cached_at + n_cached]
                 entry[j, :, n_cached:] = t[b, :, new_at:end]
             kv.append(entry)
-        return _KVEntry(ids=np.asarray(ids, dtype=np.int64), segments=[*segments, kv])
+        return _KVEntry(ids=np.asarray(ids, dtype=np.int64), segments=[*segments, kv], apart=apart)
 
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, start_count: int) -> list[Generation]:
         pad = self.tokenizer.pad_token_id

@@ -188,7 +188,7 @@ def test_rows_without_any_cache_next_to_cached_rows(plain, reusing, monkeypatch)
     gens = reusing.generate(conversations, GREEDY)
     conversations = _next_turn(conversations, gens, 0)
     lookup = reusing._longest_prefix
-    monkeypatch.setattr(reusing, "_longest_prefix", lambda p: (None, 0) if len(p) % 2 else lookup(p))
+    monkeypatch.setattr(reusing, "_longest_prefix", lambda p, apart: (None, 0) if len(p) % 2 else lookup(p, apart))
     monkeypatch.setattr(reusing, "max_batch_size", 6)
     got = reusing.generate(conversations, GREEDY)
     _assert_same(plain.generate(conversations, GREEDY), got)
@@ -366,10 +366,11 @@ def test_a_turns_entry_shares_the_keys_values_it_reused_and_holds_the_whole_sequ
         conversations = _next_turn(conversations, gens, turn)
 
 
-def test_the_shared_prefix_is_attended_apart_when_on_and_auto_means_half_precision(tiny_path, plain, monkeypatch):
+def test_the_shared_prefix_is_attended_apart_when_on(tiny_path, plain, monkeypatch):
     """`shared_prefix_attention` on: every chunk whose rows all start with the call's shared prefix attends to that
     prefix apart (one copy, outside the rows' cache) and generates what the plain path does, turn after turn; off:
-    never. auto: on for bfloat16 weights on CPU, off for float32 (the gate's greedy plays stay as they were)."""
+    never. auto: sampled calls, and greedy ones too for bfloat16 weights on CPU; float32 greedy calls (the gate's
+    plays) attend over whole rows as before."""
     from rsiflow.models import hf_backend
 
     seen = []
@@ -393,11 +394,46 @@ def test_the_shared_prefix_is_attended_apart_when_on_and_auto_means_half_precisi
             assert len(set(seen)) == 1 and seen[0] > 60
             assert all(len(entry.segments) == 2 and entry.segments[0][0].shape[2] == seen[0]
                        for entry in backend._kv_store)
-    assert not HFBackend(tiny_path, kv_reuse=True)._attend_prefix_apart
+    assert HFBackend(tiny_path, kv_reuse=True)._attend_prefix_apart == {"greedy": False, "sampled": True}
     if not torch.cuda.is_available():
-        assert HFBackend(tiny_path, kv_reuse=True, dtype="bfloat16")._attend_prefix_apart
+        assert HFBackend(tiny_path, kv_reuse=True, dtype="bfloat16")._attend_prefix_apart == {"greedy": True,
+                                                                                               "sampled": True}
     with pytest.raises(ValueError, match="shared_prefix_attention"):
         HFBackend(tiny_path, kv_reuse=True, shared_prefix_attention="sometimes")
+
+
+def test_float32_greedy_calls_reuse_only_the_prefix_of_what_sampled_calls_computed_apart(tiny_path, plain,
+                                                                                          monkeypatch):
+    """auto on float32 weights: a sampled call attends to its shared prefix apart, a greedy call does not, and a greedy
+    call after a sampled one reuses only the first segment (the prefix, computed over whole rows) of the entries the
+    sampled call left: the keys/values after it were computed apart and differ in the last bits. Its own entries it
+    then reuses in full."""
+    from rsiflow.models import hf_backend
+
+    seen = []
+    real = hf_backend._attend_to_shared_prefix
+    monkeypatch.setattr(hf_backend, "_attend_to_shared_prefix",
+                        lambda *args: seen.append(args[6][0].shape[2]) or real(*args))
+    demo = [{"role": "system", "content": "You play a text adventure. Answer with one action. " * 3},
+            {"role": "user", "content": "Example room: " + "a table, " * 20 + "a door. Your action:"},
+            {"role": "assistant", "content": "open door"}]
+    conversations = [demo + [{"role": "user", "content": f"Room {i}: " + "a chair, " * i + "Your action:"}]
+                     for i in range(6)]
+    backend = HFBackend(tiny_path, max_batch_size=4, kv_reuse=True)
+    sampled = backend.generate(conversations, SamplingParams(max_new_tokens=8, temperature=0.9, seed=1, stop=("\n",)))
+    assert seen and all(entry.apart for entry in backend._kv_store)
+    prefix = seen[0]
+    seen.clear()
+    conversations = _next_turn(conversations, sampled, 0)
+    got = backend.generate(conversations, GREEDY)
+    assert not seen
+    assert [g.extra["cached_tokens"] for g in got] == [prefix] * len(got)
+    assert not any(entry.apart for entry in backend._kv_store)
+    _assert_same(plain.generate(conversations, GREEDY), got)
+    conversations = _next_turn(conversations, got, 1)
+    again = backend.generate(conversations, GREEDY)
+    assert all(g.extra["cached_tokens"] > prefix for g in again)
+    _assert_same(plain.generate(conversations, GREEDY), again)
 
 
 def test_shared_prefix_attention_equals_attention_over_whole_rows_pads_and_float_masks_included():
