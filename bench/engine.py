@@ -19,10 +19,11 @@ caching on), and the run also prints vLLM's engine start time, its generated tok
 episode against the `hf` engine's, vLLM's processed tokens/s against the same limit as the hf engine's, and
 after how many such episodes in one process its start pays off (start / the seconds it saves an episode).
 
-With `--dtype bfloat16` (or float16) the run also prints the mismatch of that sampler against a float32
-trainer, as a GRPO round's correction sees it: `--mismatch-rows` generations scored by a float32 copy of the
-model, mean |Δ logprob| of the sampled tokens, KL(sampler ‖ trainer), the share of tokens TIS caps, the mean
-weight (models/mismatch.py).
+With `--dtype bfloat16` (or float16), or `--mismatch-rows N` in float32 (the sampler's packed layers, KV reuse
+and prefix attended apart against the trainer's plain forward), the run also prints the mismatch of that sampler
+against a float32 trainer, as a GRPO round's correction sees it: `--mismatch-rows` generations scored by a float32
+copy of the model, mean |Δ logprob| of the sampled tokens, KL(sampler ‖ trainer), the share of tokens TIS caps,
+the mean weight (models/mismatch.py).
 
 Every run prints the hf engine's processed tokens/s (prefill + generated, in backend calls only) against
 this machine's limit measured in the same run (bench/roofline.py): the matmul FLOP/s the model's device
@@ -214,9 +215,9 @@ def main() -> None:
     ap.add_argument("--vllm", action="store_true", help="also replay the calls through the vllm backend")
     ap.add_argument("--vllm-python", default=None, help="interpreter with vllm (default: backend.vllm.python's)")
     ap.add_argument("--kv-cache-gib", type=int, default=4, help="vLLM CPU KV cache, GiB")
-    ap.add_argument("--mismatch-rows", type=int, default=32,
-                    help="with --dtype other than float32: score this many generations with a float32 copy and print "
-                    "the sampler/trainer mismatch (0: skip)")
+    ap.add_argument("--mismatch-rows", type=int, default=None,
+                    help="score this many generations with a float32 copy and print the sampler/trainer mismatch "
+                    "(0: skip; default 32 with --dtype other than float32, else 0)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the plain-generate baseline (slowest part)")
     ap.add_argument("--max-live", type=int, default=None,
                     help="play the episodes in waves of this many (backend.hf.max_live_episodes; default: all at once)")
@@ -295,14 +296,15 @@ def main() -> None:
               f"{a['prefill'] / max(sp['prefill_seconds'], 1e-9):.2f} of prefill passes; decoding "
               f"{a['decoding']:.2f} s ({n['decoding']} layer calls) = "
               f"{a['decoding'] / max(sp['decode_seconds'], 1e-9):.2f} of decoding steps")
-    if args.dtype != "float32" and args.mismatch_rows:
-        m = mismatch(backend, path, rec, args.mismatch_rows, params.temperature)
+    rows = args.mismatch_rows if args.mismatch_rows is not None else (32 if args.dtype != "float32" else 0)
+    if rows:
+        m = mismatch(backend, path, rec, rows, params.temperature)
         if not m["tokens"]:
             print(f"mismatch : no sampled tokens with a logprob in {m['rows']} rows")
         else:
             print(f"mismatch : {args.dtype} sampler vs float32 trainer over {m['tokens']} tokens of {m['rows']} "
-                  f"rows: mean |delta logprob| {m['mean_abs_delta']:.4f}, KL(sampler || trainer) "
-                  f"{m['kl_sampler_trainer']:.4f}, TIS-capped share {m['capped_share']:.4f}, "
+                  f"rows: mean |delta logprob| {m['mean_abs_delta']:.3g}, KL(sampler || trainer) "
+                  f"{m['kl_sampler_trainer']:.3g}, TIS-capped share {m['capped_share']:.4f}, "
                   f"mean weight {m['weight_mean']:.4f}")
     if not args.vllm:
         return
