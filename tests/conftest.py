@@ -19,6 +19,30 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
 
 
+_migrated: list[Path] = []   # the folder holding a migrated Prefect database, made on first use
+
+
+def prefect_home(folder: Path) -> str:
+    """A new PREFECT_HOME at `folder` for a test's subprocesses, holding a copy of a Prefect database already migrated:
+    the temporary API server each `rsiflow` process starts then skips the migrations (on the 2-core EPYC a tiny
+    run's server start and first flow took 28.5 s in an empty home, 16.8 s with the copy). The migrated database is
+    made once per test process, by `prefect server database upgrade` (~16 s)."""
+    import subprocess
+    import sys
+
+    if not _migrated:
+        template = Path(tempfile.mkdtemp(prefix="rsiflow-test-prefect-migrated-"))
+        atexit.register(shutil.rmtree, template, ignore_errors=True)
+        env = {**os.environ, "PREFECT_HOME": str(template)}
+        env.pop("PREFECT_API_URL", None)
+        subprocess.run([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"], env=env, check=True,
+                       capture_output=True, timeout=600)
+        _migrated.append(template)
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(_migrated[0] / "prefect.db", folder / "prefect.db")
+    return str(folder)
+
+
 def tiny_overrides(tmp_path: Path, *extra: str) -> list[str]:
     """Overrides that keep a tiny run's store and run folder inside `tmp_path`."""
     return [f"run.store={tmp_path / 'store.duckdb'}", f"run.run_dir={tmp_path / 'runs' / '{name}'}", *extra]

@@ -11,7 +11,7 @@ import duckdb
 import pytest
 
 from bench.compare import aggregate, markdown, parse_arm, split_overrides
-from tests.conftest import REPO, TINY
+from tests.conftest import REPO, TINY, prefect_home
 
 
 def test_arm_overrides_keep_brackets_and_quotes_together():
@@ -174,7 +174,7 @@ def test_pooling_over_seeds():
 @pytest.mark.slow
 def test_compare_runs_arms_and_seeds_on_tiny(tmp_path):
     out = tmp_path / "cmp"
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PREFECT_HOME": prefect_home(tmp_path / "prefect"), "PYTHONPATH": str(REPO)}
     env.pop("PREFECT_API_URL", None)
     cmd = [sys.executable, "-m", "bench.compare", "--config", TINY, "--arm", "a", "--arm", "b:train.learning_rate=1e-4",
            "--seeds", "0,1", "--rounds", "1", "--set", "gate.heldout_tasks=4", "--out", str(out)]
@@ -282,7 +282,7 @@ def test_a_run_stopped_during_its_final_test_split_plays_it_on_the_next_invocati
     """A run with all its rounds but no final test split (stopped while playing it) is not skipped: the next
     invocation plays the split, and the one after skips the run."""
     out = tmp_path / "cmp"
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PREFECT_HOME": prefect_home(tmp_path / "prefect"), "PYTHONPATH": str(REPO)}
     env.pop("PREFECT_API_URL", None)
     cmd = [sys.executable, "-m", "bench.compare", "--config", TINY, "--arm", "a", "--seeds", "0", "--rounds", "1",
            "--set", "gate.heldout_tasks=4", "--set", "gate.test_tasks=3", "--out", str(out)]
@@ -312,7 +312,7 @@ def test_a_packed_run_resumes_on_a_fresh_checkout(tmp_path):
     """A run cut off after its first round (no record), packed, continues in another folder that holds only the
     pack: its first round is merged, not played again, the second is played, and the finished run's pack goes."""
     out, fresh = tmp_path / "cmp", tmp_path / "fresh"
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PREFECT_HOME": prefect_home(tmp_path / "prefect"), "PYTHONPATH": str(REPO)}
     env.pop("PREFECT_API_URL", None)
     cmd = [sys.executable, "-m", "bench.compare", "--config", TINY, "--arm", "a", "--seeds", "0",
            "--set", "gate.heldout_tasks=4", "--pack"]

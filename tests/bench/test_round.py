@@ -9,7 +9,7 @@ import time
 import pytest
 
 from bench.round import Attribution
-from tests.conftest import REPO, TINY
+from tests.conftest import REPO, TINY, prefect_home
 
 
 def test_attribution_charges_the_innermost_category():
@@ -49,7 +49,7 @@ def test_instrument_finds_every_function_it_times():
 @pytest.mark.slow
 def test_bench_round_on_tiny(tmp_path):
     (tmp_path / "tmp").mkdir()
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONPATH": str(REPO),
+    env = {**os.environ, "PREFECT_HOME": prefect_home(tmp_path / "prefect"), "PYTHONPATH": str(REPO),
            "TMPDIR": str(tmp_path / "tmp")}
     env.pop("PREFECT_API_URL", None)
     res = subprocess.run([sys.executable, "-m", "bench.round", "--config", TINY, "--store", str(tmp_path / "s.duckdb"),

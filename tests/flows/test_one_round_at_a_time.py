@@ -11,7 +11,7 @@ import duckdb
 import pytest
 
 from rsiflow.configs.loader import load_config
-from tests.conftest import REPO, TINY, tiny_overrides
+from tests.conftest import REPO, TINY, prefect_home, tiny_overrides
 
 RSIFLOW = [sys.executable, "-m", "rsiflow.flows.cli"]
 DEFAULT = str(REPO / "configs" / "default.yaml")
@@ -25,7 +25,7 @@ def _sets(overrides):
 def test_two_rsiflow_runs_at_once_run_the_round_once(tmp_path):
     """Both start together; one holds the run and does round 1, the other waits for it, finds the run has its
     rounds and exits without running anything."""
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PREFECT_HOME": prefect_home(tmp_path / "prefect"), "PYTHONPATH": str(REPO)}
     env.pop("PREFECT_API_URL", None)
     cmd = RSIFLOW + ["run", "--config", TINY, "--wait", "900", *_sets(tiny_overrides(tmp_path))]
     logs = [tmp_path / f"run{i}.log" for i in range(2)]

@@ -14,13 +14,13 @@ import duckdb
 import pytest
 
 from rsiflow.stores.store import Store, StoreLockedError
-from tests.conftest import REPO, TINY, tiny_overrides
+from tests.conftest import REPO, TINY, prefect_home, tiny_overrides
 
 RSIFLOW = [sys.executable, "-m", "rsiflow.flows.cli"]
 
 
 def _env(tmp_path: Path, **extra) -> dict:
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONPATH": str(REPO), **extra}
+    env = {**os.environ, "PREFECT_HOME": prefect_home(tmp_path / "prefect"), "PYTHONPATH": str(REPO), **extra}
     env.pop("PREFECT_API_URL", None)
     return {**env, **extra}
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from bench.identity import diff
-from tests.conftest import REPO, TINY
+from tests.conftest import REPO, TINY, prefect_home
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +20,7 @@ def _start(folder, model_cache, *extra) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "rsiflow.flows.cli", "run", "--config", TINY, "--set", "run.store=runs/same.duckdb",
            "--set", "run.run_dir=runs/{name}", "--set", f"run.model_cache={model_cache}", "--set", "run.rounds=2",
            *[a for kv in extra for a in ("--set", kv)]]
-    env = {**os.environ, "PREFECT_HOME": str(folder / "prefect"), "PYTHONPATH": str(REPO),
+    env = {**os.environ, "PREFECT_HOME": prefect_home(folder / "prefect"), "PYTHONPATH": str(REPO),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     with open(folder / "out.log", "w") as log:
         return subprocess.Popen(cmd, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)

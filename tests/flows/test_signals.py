@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from bench.chaos import alive, descendants, group_members
-from tests.conftest import REPO, TINY, tiny_overrides
+from tests.conftest import REPO, TINY, prefect_home, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
 
 def _env(tmp_path: Path) -> dict:
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PREFECT_HOME": prefect_home(tmp_path / "prefect"), "PYTHONPATH": str(REPO)}
     env.pop("PREFECT_API_URL", None)
     return env
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from rsiflow.stores.store import Store
-from tests.conftest import REPO, TINY, tiny_overrides
+from tests.conftest import REPO, TINY, prefect_home, tiny_overrides
 
 CHROMIUM = os.environ.get("RSIFLOW_CHROMIUM") or shutil.which("chromium-headless-shell") or shutil.which("chromium")
 
@@ -58,8 +58,8 @@ def test_prefect_ui_shows_rounds_history_and_a_failed_step(tmp_path):
     shots.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     ui, api = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": api, "PYTHONPATH": str(REPO),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env = {**os.environ, "PREFECT_HOME": prefect_home(tmp_path / "prefect"), "PREFECT_API_URL": api,
+           "PYTHONPATH": str(REPO), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     sets = [a for o in tiny_overrides(tmp_path, "distill.methods=[exit,srd]", "distill.srd.note_writer=template",
                                       "gate.rule=paired_test") for a in ("--set", o)]
     log = tmp_path / "rsiflow.log"
