@@ -118,19 +118,16 @@ def cmd_run(args) -> None:
     except StoreError as e:
         raise StoreError(f"{e} (run.store from {cfg.source_of('run.store')})") from None
     with run_lease(cfg, args.wait):
-        try:
-            while True:
-                with open_store(cfg) as store:
-                    done = store.last_completed_round(cfg.run.name)
-                if done >= target:
-                    break
-                temporary_server.start()   # once (then PREFECT_API_URL is set), when a round is to run
-                round_flow(cfg, max(done, 0) + 1)(files, args.overrides)
-                _print_report(cfg, read_only=False)
-            if cfg.gate.test_tasks:
-                _final_test(cfg, again=False)
-        finally:
-            temporary_server.stop()   # and this process's Prefect settings as they were
+        while True:
+            with open_store(cfg) as store:
+                done = store.last_completed_round(cfg.run.name)
+            if done >= target:
+                break
+            temporary_server.start()   # once (then PREFECT_API_URL is set), when a round is to run
+            round_flow(cfg, max(done, 0) + 1)(files, args.overrides)
+            _print_report(cfg, read_only=False)
+        if cfg.gate.test_tasks:
+            _final_test(cfg, again=False)
     print(f"run {cfg.run.name!r}: {max(done, 0)} round(s) completed; store {redact(cfg.run.store)}")
 
 
@@ -278,7 +275,7 @@ def cmd_serve(args) -> None:
     files, cfg = _load(args)
     from prefect import serve
 
-    temporary_server.start()   # stopped at exit (`serve` ends the process)
+    temporary_server.start()
     deployments = serve_deployments(files, args.overrides, cfg, args.cron or cfg.prefect.cron)
     for line in check_take_over(deployments, None, args.take_over, "serve") + deployment_changes(deployments):
         print(f"rsiflow serve: {line}", file=sys.stderr, flush=True)

@@ -8,8 +8,7 @@ runs the same server command itself, from the main thread, in its own session (t
 it; this process stops it at exit) and with a parent-death signal (the kernel sends it SIGTERM when this process
 dies, however), then points this process's Prefect settings at it; child processes don't inherit that (their
 environment is unchanged), and `user_api_url()` still answers None, so a check for a server that other processes
-reach (work pools, `rsiflow deploy`) is not satisfied by it. `stop()` (the command's end, or this process's exit)
-stops it and puts the settings back.
+reach (work pools, `rsiflow deploy`) is not satisfied by it.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ import time
 _PR_SET_PDEATHSIG = 1
 _UVICORN_STARTUP_FAILURE = 3   # uvicorn's exit code when it can't bind its port
 _started: list[str] = []       # the API URL of the server this process started, once it answers
-_running: list[tuple] = []     # (its process, the settings context it replaced) until `stop()`
 
 log = logging.getLogger("prefect")
 
@@ -65,17 +63,6 @@ def _stop(process: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-
-
-def stop() -> None:
-    """Stop the server `start()` started, if any, and point this process's Prefect settings back where they were."""
-    import prefect.context
-
-    while _running:
-        process, replaced = _running.pop()
-        _stop(process)
-        prefect.context.GLOBAL_SETTINGS_CONTEXT = replaced
-        _started.clear()
 
 
 def user_api_url() -> str | None:
@@ -140,6 +127,5 @@ def start() -> None:
     url = f"http://127.0.0.1:{port}/api"
     _started.append(url)
     root = prefect.context.GLOBAL_SETTINGS_CONTEXT
-    _running.append((process, root))
     prefect.context.GLOBAL_SETTINGS_CONTEXT = prefect.context.SettingsContext(
         profile=root.profile, settings=root.settings.copy_with_update(updates={PREFECT_API_URL: url}))
