@@ -15,14 +15,15 @@ whatever ends it (even `kill -9`).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import os
 import signal
+import subprocess
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
-from rsiflow.flows import temporary_server
 from rsiflow.models.backend import interrupt_calls_in_flight
 
 
@@ -47,6 +48,60 @@ def _stop(signum, frame) -> None:
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
     raise Terminated(signal.Signals(signum).name)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int, libc) -> None:
+    """In a child between fork and exec: ask the kernel for SIGTERM when the parent dies, even by SIGKILL (Linux
+    prctl PR_SET_PDEATHSIG); exit at once if it died already."""
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def start_temporary_prefect_server() -> None:
+    """Start the temporary Prefect API server that flows use when no PREFECT_API_URL is set, so that it dies with
+    this process and Ctrl-C reaches this process only.
+
+    Prefect starts it on first use as a plain child: Ctrl-C at a terminal signals the whole process group, so
+    it died first and the flow run then retried reporting to it for minutes; and a `kill -9` of this process left
+    it running. Here it is started from the main thread, in its own session (the terminal's Ctrl-C doesn't reach
+    it; this process stops it at exit, as Prefect does) and with a parent-death signal (the kernel sends it
+    SIGTERM when this process dies, however). Prefect finds it as its default temporary server and uses it."""
+    from prefect.server.api import server as prefect_server
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        return
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+    parent = os.getpid()
+
+    class _ChildProcesses:
+        """Stands in for the `subprocess` module inside Prefect's server module while it starts the server."""
+
+        def __getattr__(self, name):
+            return getattr(subprocess, name)
+
+        @staticmethod
+        def Popen(*args, **kwargs):  # noqa: N802 (subprocess's name)
+            preexec = (lambda: _die_with_parent(parent, libc)) if libc is not None else None
+            return subprocess.Popen(*args, start_new_session=True, preexec_fn=preexec, **kwargs)
+
+    class _TemporaryServer(prefect_server.SubprocessASGIServer):
+        def _run_uvicorn_command(self):
+            real = prefect_server.subprocess
+            prefect_server.subprocess = _ChildProcesses()
+            try:
+                return super()._run_uvicorn_command()
+            finally:
+                prefect_server.subprocess = real
+
+    server = prefect_server.SubprocessASGIServer()   # the default instance Prefect would use, if it exists
+    if not server.running:
+        prefect_server.SubprocessASGIServer._instances.pop(None, None)
+        _TemporaryServer().start()
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -123,7 +178,7 @@ def cmd_run(args) -> None:
                 done = store.last_completed_round(cfg.run.name)
             if done >= target:
                 break
-            temporary_server.start()   # once (then PREFECT_API_URL is set), when a round is to run
+            start_temporary_prefect_server()   # once (it returns at once when running), when a round is to run
             round_flow(cfg, max(done, 0) + 1)(files, args.overrides)
             _print_report(cfg, read_only=False)
         if cfg.gate.test_tasks:
@@ -275,7 +330,7 @@ def cmd_serve(args) -> None:
     files, cfg = _load(args)
     from prefect import serve
 
-    temporary_server.start()
+    start_temporary_prefect_server()
     deployments = serve_deployments(files, args.overrides, cfg, args.cron or cfg.prefect.cron)
     for line in check_take_over(deployments, None, args.take_over, "serve") + deployment_changes(deployments):
         print(f"rsiflow serve: {line}", file=sys.stderr, flush=True)
@@ -291,13 +346,14 @@ def cmd_serve(args) -> None:
 
 
 def _require_server(command: str) -> str:
+    from prefect.settings import PREFECT_API_URL
+
     from rsiflow.configs.schema import ConfigError
 
-    api = temporary_server.user_api_url()
-    if not api:
+    if not PREFECT_API_URL.value():
         raise ConfigError(f"rsiflow {command} registers deployments on a Prefect server: start one (prefect server "
                           "start) and set PREFECT_API_URL, e.g. http://127.0.0.1:4200/api")
-    return api
+    return PREFECT_API_URL.value()
 
 
 def cmd_deploy(args) -> None:

@@ -38,7 +38,6 @@ from pathlib import Path
 from prefect import get_run_logger
 
 from rsiflow.configs.schema import Config, ConfigError
-from rsiflow.flows import temporary_server
 from rsiflow.flows.errors import StepFailed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -169,7 +168,7 @@ def check_pools(cfg: Config) -> None:
     if not cfg.prefect.pools:
         return
     where = cfg.source_of("prefect.pools")
-    if not temporary_server.user_api_url():   # not the temporary server `rsiflow run` starts: workers can't reach it
+    if not PREFECT_API_URL.value():
         raise ConfigError(f"prefect.pools (from {where}) runs steps on work pools, which needs a Prefect server the "
                           "workers reach: start one (prefect server start) and set PREFECT_API_URL "
                           "(e.g. http://127.0.0.1:4200/api) for this process and the workers")

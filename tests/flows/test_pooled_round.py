@@ -81,17 +81,6 @@ def test_pooled_round_needs_a_server_the_workers_reach(tmp_path, monkeypatch):
         with pytest.raises(ConfigError, match=r"prefect.pools \(from --set prefect.pools=.*\) runs steps on work "
                                               r"pools, which needs a Prefect server"):
             check_pools(load_config([TINY], tiny_overrides(tmp_path, "prefect.pools={train: training}")))
-    # the temporary server `rsiflow run` starts for itself is no server the workers reach
-    from rsiflow.flows import temporary_server
-
-    url = "http://127.0.0.1:8123/api"
-    monkeypatch.setattr(temporary_server, "_started", [url])
-    with temporary_settings(updates={PREFECT_API_URL: url}):
-        assert PREFECT_API_URL.value() == url and temporary_server.user_api_url() is None
-        with pytest.raises(ConfigError, match="which needs a Prefect server the workers reach"):
-            check_pools(load_config([TINY], tiny_overrides(tmp_path, "prefect.pools={train: training}")))
-    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:4200/api"}):
-        assert temporary_server.user_api_url() == "http://127.0.0.1:4200/api"
 
 
 def _q(store, sql, *params):
