@@ -366,11 +366,9 @@ def test_a_turns_entry_shares_the_keys_values_it_reused_and_holds_the_whole_sequ
         conversations = _next_turn(conversations, gens, turn)
 
 
-def test_the_shared_prefix_is_attended_apart_when_on(tiny_path, plain, monkeypatch):
-    """`shared_prefix_attention` on: every chunk whose rows all start with the call's shared prefix attends to that
-    prefix apart (one copy, outside the rows' cache) and generates what the plain path does, turn after turn; off:
-    never. auto: sampled calls, and greedy ones too for bfloat16 weights on CPU; float32 greedy calls (the gate's
-    plays) attend over whole rows as before."""
+def _watch_prefix_attention(monkeypatch) -> tuple[list[int], list[dict]]:
+    """Record the prefix length of every attention to a prefix kept apart; and a system prompt plus one example turn
+    long enough to be such a prefix."""
     from rsiflow.models import hf_backend
 
     seen = []
@@ -380,6 +378,15 @@ def test_the_shared_prefix_is_attended_apart_when_on(tiny_path, plain, monkeypat
     demo = [{"role": "system", "content": "You play a text adventure. Answer with one action. " * 3},
             {"role": "user", "content": "Example room: " + "a table, " * 20 + "a door. Your action:"},
             {"role": "assistant", "content": "open door"}]
+    return seen, demo
+
+
+def test_the_shared_prefix_is_attended_apart_when_on(tiny_path, plain, monkeypatch):
+    """`shared_prefix_attention` on: every chunk whose rows all start with the call's shared prefix attends to that
+    prefix apart (one copy, outside the rows' cache) and generates what the plain path does, turn after turn; off:
+    never. auto: sampled calls, and greedy ones too for bfloat16 weights on CPU; float32 greedy calls (the gate's
+    plays) attend over whole rows as before."""
+    seen, demo = _watch_prefix_attention(monkeypatch)
     for on in (False, True):
         seen.clear()
         backend = HFBackend(tiny_path, max_batch_size=4, kv_reuse=True, shared_prefix_attention=on)
@@ -408,15 +415,7 @@ def test_float32_greedy_calls_reuse_only_the_prefix_of_what_sampled_calls_comput
     call after a sampled one reuses only the first segment (the prefix, computed over whole rows) of the entries the
     sampled call left: the keys/values after it were computed apart and differ in the last bits. Its own entries it
     then reuses in full."""
-    from rsiflow.models import hf_backend
-
-    seen = []
-    real = hf_backend._attend_to_shared_prefix
-    monkeypatch.setattr(hf_backend, "_attend_to_shared_prefix",
-                        lambda *args: seen.append(args[6][0].shape[2]) or real(*args))
-    demo = [{"role": "system", "content": "You play a text adventure. Answer with one action. " * 3},
-            {"role": "user", "content": "Example room: " + "a table, " * 20 + "a door. Your action:"},
-            {"role": "assistant", "content": "open door"}]
+    seen, demo = _watch_prefix_attention(monkeypatch)
     conversations = [demo + [{"role": "user", "content": f"Room {i}: " + "a chair, " * i + "Your action:"}]
                      for i in range(6)]
     backend = HFBackend(tiny_path, max_batch_size=4, kv_reuse=True)
