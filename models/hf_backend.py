@@ -216,7 +216,7 @@ class HFBackend:
         on = self.shared_prefix_attention
         self._attend_prefix_apart = {
             "greedy": can and (self._kv_dtype is not None if on == "auto" else bool(on)),
-            "sampled": can and (True if on == "auto" else bool(on))}
+            "sampled": can and bool(on)}   # true or "auto"
         self.tokenizer = tokenizer
         self.model_path = str(model_path)
         self._kv_store = []  # keys/values of the old weights are worthless now

@@ -35,8 +35,10 @@ def prefect_home(folder: Path) -> str:
         atexit.register(shutil.rmtree, template, ignore_errors=True)
         env = {**os.environ, "PREFECT_HOME": str(template)}
         env.pop("PREFECT_API_URL", None)
-        subprocess.run([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"], env=env, check=True,
-                       capture_output=True, timeout=600)
+        done = subprocess.run([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"], env=env,
+                              capture_output=True, text=True, timeout=600)
+        if done.returncode:
+            raise RuntimeError(f"prefect server database upgrade failed ({done.returncode}): {done.stderr[-2000:]}")
         _migrated.append(template)
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copy2(_migrated[0] / "prefect.db", folder / "prefect.db")
