@@ -16,8 +16,9 @@ before it holds the round is renamed to say why: `<run>-busy` (another round of 
 `<run>-config-error`.
 
 `prefect.step_timeout_s` bounds each attempt of a step: when it passes, the calls in flight end as on
-Ctrl-C (models/backend.py: `interrupt_calls_in_flight`; the trainer stops at its next optimizer step), the
-step fails with StepTimedOut, and the store records the attempt as failed with that reason.
+Ctrl-C, and so do the calls the attempt starts afterwards (models/backend.py: `hold_interrupt`; the trainer stops
+at its next optimizer step), the step fails with StepTimedOut, and the store records the attempt as failed with
+that reason.
 Composition only: the work is in tasks/.
 """
 
@@ -27,7 +28,7 @@ import concurrent.futures
 import functools
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -45,7 +46,7 @@ from rsiflow.configs.schema import Config, ConfigError
 from rsiflow.flows.errors import StepFailed
 from rsiflow.flows.lease import LeaseLostError, RunBusyError, run_lease
 from rsiflow.flows.pooled import check_pools, run_on_pool
-from rsiflow.models.backend import interrupt_calls_in_flight
+from rsiflow.models.backend import hold_interrupt
 from rsiflow.tasks.common import STEPS, open_store, utcnow
 from rsiflow.tasks.deploy import redeploy
 from rsiflow.tasks.distill import distill_examples
@@ -205,29 +206,30 @@ def _retry(task, task_run, state) -> bool:
 @contextmanager
 def step_deadline(seconds: float | None, step: str) -> Iterator[None]:
     """Bound the block to `seconds` (None: no bound): when they pass, every call in flight in this process ends as
-    on Ctrl-C (`interrupt_calls_in_flight`: generate calls raise, the trainer stops at its next step), and the
+    on Ctrl-C (generate calls raise, the trainer stops at its next step), and so does every call the block starts
+    afterwards until it ends (`hold_interrupt`: the deadline may pass between two calls, while a model loads). The
     error that ends the block becomes StepTimedOut. A block that finishes in spite of it stands."""
     if not seconds:
         yield
         return
-    expired = threading.Event()
-
-    def expire() -> None:
-        expired.set()
-        interrupt_calls_in_flight()
-
-    timer = threading.Timer(seconds, expire)
+    releases: list[Callable[[], None]] = []
+    timer = threading.Timer(seconds, lambda: releases.append(hold_interrupt()))
     timer.daemon = True
     timer.start()
     try:
         yield
     except BaseException as e:
-        if expired.is_set():
+        timer.cancel()
+        timer.join()   # an expiry in progress has finished: `releases` is final
+        if releases:
             raise StepTimedOut(f"step {step} ran past prefect.step_timeout_s = {seconds:g} s and was stopped "
                                f"({type(e).__name__}: {_first_line(e)})") from e
         raise
     finally:
         timer.cancel()
+        timer.join()
+        for release in releases:
+            release()
 
 
 def step_task(cfg: Config, step: str) -> Task:

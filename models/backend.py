@@ -11,7 +11,8 @@ Stopping (Ctrl-C, SIGTERM): the CLI's signal handler calls `interrupt_calls_in_f
 because Prefect waits for a step's thread, and that thread may be inside a long generate call. A call started
 before it ends early with `Interrupted`: hf checks between decoding steps, vllm's engine process is killed (its
 hook, `on_interrupt`), openai sends no further request. A backend checks with `interrupted_since(start)`, `start`
-being `interrupts()` read when the call began (calls started afterwards run as usual).
+being `interrupts()` read when the call began (calls started afterwards run as usual, except while a step's expired
+deadline holds the stop: `hold_interrupt`, so a deadline that passes between two calls still ends the step).
 
 Redeploy is part of the protocol: `serve(model_path)` makes a backend serve another checkpoint
 from then on (the `hf` backend reloads the weights in its process) and returns a record of what
@@ -38,6 +39,7 @@ class Interrupted(RuntimeError):
 
 
 _INTERRUPTS = 0  # how many times rsiflow was told to stop
+_HELD = 0        # stops that also end calls started after them (`hold_interrupt`, until released)
 _ON_INTERRUPT: list[Callable[[], None]] = []
 
 
@@ -47,8 +49,8 @@ def interrupts() -> int:
 
 
 def interrupted_since(start: int) -> bool:
-    """Whether rsiflow was told to stop after the call that read `start` began."""
-    return _INTERRUPTS != start
+    """Whether rsiflow was told to stop after the call that read `start` began, or a held stop is in force."""
+    return _INTERRUPTS != start or _HELD > 0
 
 
 def raise_if_interrupted(start: int, backend: str) -> None:
@@ -74,6 +76,24 @@ def interrupt_calls_in_flight() -> None:
         # to cut short runs on), and logging it here could deadlock on a logging lock the interrupted code holds.
         with contextlib.suppress(Exception):
             hook()
+
+
+def hold_interrupt() -> Callable[[], None]:
+    """Interrupt the calls in flight (`interrupt_calls_in_flight`) and keep ending every call that checks, started
+    before or after, until the returned `release` is called: a step's deadline that passes while the step is between
+    calls (loading a model, scoring, writing rows) still stops the step's next call."""
+    global _HELD
+    _HELD += 1
+    interrupt_calls_in_flight()
+    released = False
+
+    def release() -> None:
+        global _HELD
+        nonlocal released
+        if not released:
+            released = True
+            _HELD -= 1
+    return release
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Stopping rsiflow mid-call (Ctrl-C / SIGTERM: `models.backend.interrupt_calls_in_flight`, called by the CLI's
 signal handler): a generate call in flight in another thread ends within a second with `Interrupted`, instead of
-holding the exit until it would have finished, and a call started afterwards runs as usual. hf (both decoding
-paths) on the tiny model; openai on a fake server (no request is sent once stopping). vLLM's engine process:
-tests/models/test_vllm_backend.py (slow tier). The CLI end: tests/flows/test_signals.py."""
+holding the exit until it would have finished, and a call started afterwards runs as usual (unless a step's
+expired deadline holds the stop). hf (both decoding paths) on the tiny model; openai on a fake server (no request is
+sent once stopping). vLLM's engine process: tests/models/test_vllm_backend.py (slow tier). The CLI end:
+tests/flows/test_signals.py."""
 
 from __future__ import annotations
 
@@ -76,3 +77,18 @@ def test_openai_call_sends_no_request_once_stopping(tiny_path):
         assert len(backend.generate(CHATS[:3], seeded)) == 3
     finally:
         server.stop()
+
+
+def test_a_step_deadline_that_passes_between_calls_stops_the_next_call(tiny_path):
+    """The deadline may pass while a step loads a model or writes rows, with no call in flight: the step's next call
+    ends at once (so the step stops), and calls after the step run as usual."""
+    from rsiflow.flows.round import StepTimedOut, step_deadline
+
+    backend = HFBackend(tiny_path, max_batch_size=4)
+    chats = [[{"role": "user", "content": "count to 3"}]]
+    with pytest.raises(StepTimedOut, match=r"step generate ran past prefect.step_timeout_s = 0.2 s .*\(Interrupted"):
+        with step_deadline(0.2, "generate"):
+            time.sleep(1.0)   # between calls when the deadline passes
+            backend.generate(chats, LONG)
+    gens = backend.generate(chats, SamplingParams(max_new_tokens=5, temperature=0.0))
+    assert gens[0].token_ids
