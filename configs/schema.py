@@ -545,7 +545,8 @@ class PrefectConfig(Section):
     cron: str | None = Field(None, description="Cron schedule of the `improvement-round/<run.name>` deployment "
         "`rsiflow serve` registers (e.g. '0 */6 * * *'); none = on demand (serving clears an existing schedule).")
     step_timeout_s: float | None = Field(None, gt=0, description="Most seconds one attempt of a step (a Prefect "
-        "task) may run: then its generate calls and training stop as on Ctrl-C, the attempt fails with StepTimedOut, "
+        "task) may run: then its generate calls and training stop as on Ctrl-C (and so do the calls it starts after "
+        "that), the attempt fails with StepTimedOut, "
         "is recorded as failed and is retried (see retries), each retry bounded the same; null = no limit.")
     retries: int = Field(1, ge=0, le=10, description="Times a failed step is run again (10 s apart) before the round "
         "fails; every step replaces its rows when run again. Config errors are not retried.")
