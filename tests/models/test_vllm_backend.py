@@ -193,6 +193,8 @@ def _group_members(pgid: int) -> list[int]:
 
 
 def _wait_gone(pgid: int, seconds: float = 30.0) -> list[int]:
+    """The members of the group left after up to `seconds` (a killed process may take seconds to be torn down on a
+    busy machine: one beside a test run and a pip install outlived 10 s)."""
     import time
 
     deadline = time.monotonic() + seconds
@@ -260,7 +262,7 @@ def test_an_interrupt_ends_the_call_in_flight_and_the_next_call_starts_a_new_eng
     worker.join(30)
     assert not worker.is_alive() and isinstance(out.get("error"), Interrupted), out
     assert out["ended"] - start < 10, out["ended"] - start
-    assert _wait_gone(pgid, 10) == []
+    assert _wait_gone(pgid, 30) == []   # gone (how soon the stop returned is checked above)
     after = vllm_backend.generate(PROMPTS[:2], greedy)   # a new engine
     assert vb._ENGINE.handle.proc.pid != pgid
     assert not os.path.exists(old_dir)   # the dead engine's socket and log folder was removed when it was replaced
@@ -300,7 +302,7 @@ def test_sigterm_delivered_to_another_thread_stops_a_call_in_the_main_thread(vll
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert took < 15, f"the call in the main thread ended {took:.0f} s after it began (signal at 3 s)"
-    assert _wait_gone(pgid, 10) == []
+    assert _wait_gone(pgid, 30) == []   # gone (how soon the stop returned is checked above)
 
 
 def test_a_call_unwound_by_another_handler_is_not_waited_for_at_shutdown(vllm_backend, smollm2_path):
@@ -369,6 +371,6 @@ def test_shutdown_during_a_generate_call_leaves_no_process(vllm_backend, smollm2
     start = time.monotonic()
     vb.shutdown_engine()
     assert time.monotonic() - start < 15
-    assert _wait_gone(pgid, 10) == []
+    assert _wait_gone(pgid, 30) == []   # gone (how soon the stop returned is checked above)
     worker.join(30)
     assert not worker.is_alive() and failed and "died" in str(failed[0])
