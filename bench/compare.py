@@ -18,9 +18,11 @@ Each (arm, seed) is one run named `<arm>-s<seed>`, executed one at a time as a s
 `rsiflow run --config ... --set ...` with run.seed=<seed>, run.rounds=<rounds>,
 run.store=<out>/compare.duckdb and run.run_dir=<out>/runs/{name} (one store for all: DuckDB
 allows one writer, so runs go one after another, and each subprocess frees its memory). Logs go
-to <out>/logs/<run>.log. Running the same command again skips runs the store already has with
-all their rounds (and their final test split, where the config asks for one) and resumes unfinished ones
-(`rsiflow run` continues a run by name; one with all its rounds plays only its missing split).
+to <out>/logs/<run>.log. The runs report to one temporary Prefect API server started here (unless
+PREFECT_API_URL is set), which stops with this process. Running the same command again skips runs the
+store already has with all their rounds (and their final test split, where the config asks for one) and
+resumes unfinished ones (`rsiflow run` continues a run by name; one with all its rounds plays only its
+missing split).
 
 A finished run is also written to <out>/records/<run>.json: its per-round figures and final test, all the
 report reads, in a few kilobytes. The store and the checkpoints stay out of version control; the records are
@@ -329,6 +331,12 @@ def run_all(args, arms: list[Arm], seeds: list[int], out: Path) -> list[str]:
             # `rsiflow run` on a run with all its rounds plays only what is missing: the final test split
             print(f"[{i}/{len(todo)}] {name}: {done} round(s) done, its final test split is not: playing it",
                   flush=True)
+        if not env.get("PREFECT_API_URL"):
+            # One temporary Prefect API server for every run of the comparison, dying with this process (each
+            # `rsiflow run` would start its own: ~20 s a run on 2 cores).
+            from rsiflow.flows.cli import start_temporary_prefect_server
+
+            env["PREFECT_API_URL"] = start_temporary_prefect_server()
         cmd = [sys.executable, "-m", "rsiflow.flows.cli", "run"]
         for c in args.config:
             cmd += ["--config", c]
@@ -345,8 +353,8 @@ def run_all(args, arms: list[Arm], seeds: list[int], out: Path) -> list[str]:
             try:
                 rc = _wait(proc, out, name, done) if args.pack else proc.wait()
             except BaseException:
-                # Interrupted (Ctrl-C, SIGTERM): take the run and the Prefect server it started down with
-                # us; the run resumes from its last completed step next time.
+                # Interrupted (Ctrl-C, SIGTERM): take the run down with us (the Prefect server started here
+                # stops with this process); the run resumes from its last completed step next time.
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()

@@ -61,9 +61,9 @@ def _die_with_parent(parent: int, libc) -> None:
         os._exit(1)
 
 
-def start_temporary_prefect_server() -> None:
+def start_temporary_prefect_server() -> str:
     """Start the temporary Prefect API server that flows use when no PREFECT_API_URL is set, so that it dies with
-    this process and Ctrl-C reaches this process only.
+    this process and Ctrl-C reaches this process only; the API URL flows use (PREFECT_API_URL's when it is set).
 
     Prefect starts it on first use as a plain child: Ctrl-C at a terminal signals the whole process group, so
     it died first and the flow run then retried reporting to it for minutes; and a `kill -9` of this process left
@@ -74,7 +74,7 @@ def start_temporary_prefect_server() -> None:
     from prefect.settings import PREFECT_API_URL
 
     if PREFECT_API_URL.value():
-        return
+        return PREFECT_API_URL.value()
     libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
     parent = os.getpid()
 
@@ -101,7 +101,9 @@ def start_temporary_prefect_server() -> None:
     server = prefect_server.SubprocessASGIServer()   # the default instance Prefect would use, if it exists
     if not server.running:
         prefect_server.SubprocessASGIServer._instances.pop(None, None)
-        _TemporaryServer().start()
+        server = _TemporaryServer()
+        server.start()
+    return server.api_url
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
