@@ -217,17 +217,17 @@ def step_deadline(seconds: float | None, step: str) -> Iterator[None]:
     timer.daemon = True
     timer.start()
     try:
-        yield
+        try:
+            yield
+        finally:
+            timer.cancel()
+            timer.join()   # an expiry in progress has finished: `releases` is final
     except BaseException as e:
-        timer.cancel()
-        timer.join()   # an expiry in progress has finished: `releases` is final
         if releases:
             raise StepTimedOut(f"step {step} ran past prefect.step_timeout_s = {seconds:g} s and was stopped "
                                f"({type(e).__name__}: {_first_line(e)})") from e
         raise
     finally:
-        timer.cancel()
-        timer.join()
         for release in releases:
             release()
 
