@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import threading
 import time
 from pathlib import Path
 
@@ -54,12 +55,12 @@ class ForwardClock:
     keeps, per pass: rows, query length, real (unpadded) query tokens, context width (cached + new positions,
     pads included), the positions of a prefix all rows attend to from one copy outside the cache (`shared_kv`,
     `backend.hf.shared_prefix_attention`) and seconds. A pass with a one-token query is a decoding step; any
-    other is a prefill."""
+    other is a prefill. Passes of the backend's workers (`backend.hf.workers`) run at once, each timed in its own
+    thread."""
 
     def __init__(self, model: torch.nn.Module):
         self.passes: list[dict] = []
-        self._t0 = 0.0
-        self._pending: dict | None = None
+        self._local = threading.local()   # .t0, .pending: the pass in flight in this thread
         self._hooks = [model.register_forward_pre_hook(self._before, with_kwargs=True),
                        model.register_forward_hook(self._after, with_kwargs=True)]
 
@@ -71,16 +72,16 @@ class ForwardClock:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         width = mask.shape[1] if mask is not None else query + _cached(cache)
         shared = kwargs.get("shared_kv")
-        self._pending = {"rows": rows, "query": query, "real": real, "width": width,
-                         "shared": shared[0].shape[2] if shared else 0}
-        self._t0 = time.perf_counter()
+        self._local.pending = {"rows": rows, "query": query, "real": real, "width": width,
+                               "shared": shared[0].shape[2] if shared else 0}
+        self._local.t0 = time.perf_counter()
 
     def _after(self, module, args, kwargs, output):
         if next(module.parameters()).device.type == "cuda":
             torch.cuda.synchronize()
-        self._pending["seconds"] = time.perf_counter() - self._t0
-        self.passes.append(self._pending)
-        self._pending = None
+        self._local.pending["seconds"] = time.perf_counter() - self._local.t0
+        self.passes.append(self._local.pending)
+        self._local.pending = None
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -128,11 +129,13 @@ def _cached(cache) -> int:
 
 
 def split_report(passes: list[dict], model, generate_seconds: float, flops: float, bandwidth: float,
-                 kv_dtype: torch.dtype) -> dict:
+                 kv_dtype: torch.dtype, workers: int = 1) -> dict:
     """Prefill and decoding apart, each against its own limit (bench/roofline.py): prefill tokens/s over the
     matmul limit; decoding steps' least time (the larger of FLOPs / matmul throughput and bytes / read
     bandwidth, per step) over their measured time; and backend time outside forward passes (sampling, top-p,
-    stop strings, batch bookkeeping)."""
+    stop strings, batch bookkeeping). With `workers` threads computing at once, each on 1/workers of the
+    machine, a pass's seconds count 1/workers: the machine's time it took."""
+    passes = [{**p, "seconds": p["seconds"] / workers} for p in passes]
     prefill = [p for p in passes if p["query"] > 1]
     decode = [p for p in passes if p["query"] == 1]
     per_token = roofline.flops_per_token(model)
@@ -225,9 +228,12 @@ def main() -> None:
                     "Linear layers)")
     ap.add_argument("--sampler", default="full", choices=["full", "nucleus"], help="backend.hf.sampler")
     ap.add_argument("--shared-prefix-attention", default="auto", choices=["auto", "on", "off"],
-                    help="backend.hf.shared_prefix_attention (auto: on for half-precision weights)")
+                    help="backend.hf.shared_prefix_attention (auto: on for sampled calls, and for greedy "
+                    "ones with half-precision weights)")
     ap.add_argument("--time-attention", action="store_true", help="also time the attention calls (prefill and "
                     "decoding apart) inside the forward passes")
+    ap.add_argument("--workers", default="auto", help="backend.hf.workers: threads a call's chunks run on at once "
+                    "(auto: 2 on a CPU share of 2 or more cores; 1: one chunk at a time on every core)")
     ap.add_argument("--kv-store-tokens", type=int, default=None,
                     help="the hf backend's room for keys/values kept between calls, in tokens (default 65,536)")
     args = ap.parse_args()
@@ -236,6 +242,7 @@ def main() -> None:
     backend = HFBackend(path, max_batch_size=args.batch, kv_reuse=args.kv_reuse, dtype=args.dtype,
                         sampler=args.sampler, packed_linears=not args.no_packed,
                         shared_prefix_attention={"on": True, "off": False}.get(args.shared_prefix_attention, "auto"),
+                        workers=args.workers if args.workers == "auto" else int(args.workers),
                         **({"kv_store_max_tokens": args.kv_store_tokens} if args.kv_store_tokens is not None else {}))
     tasks = make_env("household").sample_tasks("train", args.episodes, args.seed)
     episodes = [Episode(traj_id=f"b{i}", task=t, group_id=t.task_id, sample_idx=0) for i, t in enumerate(tasks)]
@@ -261,7 +268,7 @@ def main() -> None:
     final_ctx = sum(_final_context(backend, e) for e in episodes) / len(episodes)
     print(f"model {args.model}  kv_reuse {args.kv_reuse}  episodes {args.episodes}  max_turns {args.max_turns}  "
           f"batch {args.batch}  max_live {args.max_live}  sampler {args.sampler}  packed {not args.no_packed}  "
-          f"torch threads {torch.get_num_threads()}")
+          f"workers {args.workers}  torch threads {torch.get_num_threads()}")
     print(f"engine   : {sampled} sampled tokens ({kept} kept) in {engine_s:.2f} s = {engine_rate:.1f} tok/s "
           f"(of which backend.generate {rec.seconds:.2f} s)")
     print(f"baseline : the same {sampled} tokens in {base_s:.2f} s = {base_rate:.1f} tok/s (plain model.generate, same "
@@ -279,7 +286,11 @@ def main() -> None:
           f"= {hf_processed / limit:.3f} of the limit")
     print(f"calls    : {sum(len(gens) for _, gens in rec.calls)} rows in {len(rec.calls)} backend calls")
     bandwidth = roofline.read_bandwidth(backend.model.device)
-    sp = split_report(clock.passes, backend.model, rec.seconds, flops, bandwidth, backend.kv_dtype)
+    workers = backend._workers(args.episodes) if args.kv_reuse else 1
+    sp = split_report(clock.passes, backend.model, rec.seconds, flops, bandwidth, backend.kv_dtype, workers)
+    if workers > 1:
+        print(f"workers  : {workers} threads computing at once; a pass's seconds below count 1/{workers} (the "
+              "machine's time it took)")
     print(f"prefill  : {sp['prefill_tokens']} tokens ({sp['prefill_fed']} fed with pads) in {sp['prefill_passes']} "
           f"passes, {sp['prefill_seconds']:.2f} s = {sp['prefill_rate']:.0f} tok/s = {sp['prefill_of_limit']:.3f} "
           "of the matmul limit")
@@ -291,7 +302,7 @@ def main() -> None:
     print(f"other    : {sp['outside_seconds']:.2f} s of backend.generate outside forward passes "
           "(sampling, top-p, stop strings, batch bookkeeping)")
     if attention is not None:
-        a, n = attention.seconds, attention.calls
+        a, n = {kind: seconds / workers for kind, seconds in attention.seconds.items()}, attention.calls
         print(f"attention: prefill {a['prefill']:.2f} s ({n['prefill']} layer calls) = "
               f"{a['prefill'] / max(sp['prefill_seconds'], 1e-9):.2f} of prefill passes; decoding "
               f"{a['decoding']:.2f} s ({n['decoding']} layer calls) = "

@@ -461,3 +461,95 @@ def test_shared_prefix_attention_equals_attention_over_whole_rows_pads_and_float
             got = _attend_to_shared_prefix(SimpleNamespace(layer_idx=layer), query, key, value, m, None,
                                            [prefix, prefix])
             assert torch.allclose(got, expected, atol=1e-5)
+
+
+def _thread_names(monkeypatch) -> list[str]:
+    """The threads `_generate_chunk_reusing` runs on, one name per chunk."""
+    import threading
+
+    names, inner = [], HFBackend._generate_chunk_reusing
+
+    def recorded(self, *args, **kwargs):
+        names.append(threading.current_thread().name)
+        return inner(self, *args, **kwargs)
+
+    monkeypatch.setattr(HFBackend, "_generate_chunk_reusing", recorded)
+    return names
+
+
+def test_two_workers_generate_what_the_plain_path_does_and_keep_the_store_bounded(tiny_path, plain, monkeypatch):
+    names = _thread_names(monkeypatch)
+    backend = HFBackend(tiny_path, max_batch_size=2, kv_reuse=True, workers=2)
+    conversations = [_start(i) for i in range(7)]
+    for turn in range(3):
+        got = backend.generate(conversations, GREEDY)
+        _assert_same(plain.generate(conversations, GREEDY), got)
+        if turn:
+            assert all(g.extra["cached_tokens"] > 0 for g in got)
+        assert len(backend._kv_store) == len(conversations)
+        conversations = _next_turn(conversations, got, turn)
+    assert len({n for n in names if n.startswith("rsiflow-hf")}) == 2 and len(names) == 3 * 4  # 4 + 3 rows a worker
+    small = HFBackend(tiny_path, max_batch_size=2, kv_reuse=True, workers=2, kv_store_max_tokens=200)
+    conversations = [_start(i) for i in range(4)]
+    for turn in range(2):
+        got = small.generate(conversations, GREEDY)
+        _assert_same(plain.generate(conversations, GREEDY), got)
+        assert 0 < small.kv_store_tokens <= 200
+        conversations = _next_turn(conversations, got, turn)
+
+
+@pytest.mark.parametrize("sampler", ["full", "nucleus"])
+def test_two_workers_draw_the_same_tokens_however_their_passes_interleave(tiny_path, monkeypatch, sampler):
+    import random
+    import time
+
+    from rsiflow.models import threads
+
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=3)
+    conversations = [_start(i) for i in range(6)]
+    backend = HFBackend(tiny_path, max_batch_size=2, kv_reuse=True, workers=2, sampler=sampler)
+    first = backend.generate(conversations, params)
+    inner, delays = threads.turn, random.Random(0)
+
+    def jittered():   # each forward pass starts after a random pause: the workers' draws interleave otherwise
+        time.sleep(delays.random() * 0.02)
+        return inner()
+
+    monkeypatch.setattr(threads, "turn", jittered)
+    for _ in range(2):
+        backend.clear_kv_store()
+        again = backend.generate(conversations, params)
+        assert [g.token_ids for g in again] == [g.token_ids for g in first]
+        assert [g.logprobs for g in again] == [g.logprobs for g in first]
+    other = backend.generate(conversations, SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=4))
+    assert [g.token_ids for g in other] != [g.token_ids for g in first]
+
+
+def test_an_error_in_one_worker_stops_the_other_before_its_next_token_and_is_raised(tiny_path, monkeypatch):
+    import threading
+
+    decoding_steps, entered, lock = [], [], threading.Lock()
+    inner = HFBackend._generate_chunk_reusing
+
+    def failing(self, prompts, matches, params, *args, **kwargs):
+        with lock:
+            entered.append(threading.current_thread().name)
+            first = len(entered) == 1
+        if first:                              # the first worker to start a chunk fails at once
+            raise ValueError("worker failed")
+        kwargs["abandon"].wait(30)            # the other starts once the failure is known
+        return inner(self, prompts, matches, params, *args, **kwargs)
+
+    backend = HFBackend(tiny_path, max_batch_size=4, kv_reuse=True, workers=2)
+    conversations = [_start(i) for i in range(4)]
+    monkeypatch.setattr(HFBackend, "_generate_chunk_reusing", failing)
+    hook = backend.model.register_forward_pre_hook(
+        lambda module, args, kwargs: decoding_steps.append(1) if kwargs["input_ids"].shape[1] == 1 else None,
+        with_kwargs=True)
+    try:
+        with pytest.raises(ValueError, match="worker failed"):
+            backend.generate(conversations, SamplingParams(max_new_tokens=64, temperature=0.0))
+    finally:
+        hook.remove()
+    assert decoding_steps == [] and len(set(entered)) == 2   # the other worker prefilled its chunk, then stopped
+    assert backend._kv_store == []

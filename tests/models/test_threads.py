@@ -181,3 +181,46 @@ def test_a_spin_count_that_comes_after_torch_is_reported_once_and_not_pretended(
     assert len(warnings) == 1 and "export GOMP_SPINCOUNT=5000" in warnings[0]
     monkeypatch.setenv("GOMP_SPINCOUNT", "5000")      # exported before start: already in effect
     assert threads.apply_spin_count(5000)
+
+
+def test_workers_divide_the_share_and_take_turns_when_it_shrinks(policy, monkeypatch):
+    """Inside `workers(n)` torch runs share // n threads, and `turn` lets at most `share` forward passes run at
+    once: with 4 cores two workers each get 2 threads and run together; once the share is 1 they take turns."""
+    import threading
+
+    share = [4]
+    monkeypatch.setattr(threads, "threads_now", lambda: share[0])
+    with threads.computing():
+        assert torch.get_num_threads() == 4
+        with threads.workers(2):
+            assert torch.get_num_threads() == 2
+            inside, release = threading.Event(), threading.Event()
+
+            def hold():
+                with threads.turn():
+                    inside.set()
+                    release.wait(10)
+
+            first = threading.Thread(target=hold)
+            first.start()
+            assert inside.wait(10)
+            entered = threading.Event()
+
+            def second_pass():
+                with threads.turn():
+                    entered.set()
+
+            second = threading.Thread(target=second_pass)
+            second.start()
+            assert entered.wait(10)            # a share of 4: both passes at once
+            second.join()
+            share[0] = 1                        # another process started computing
+            entered.clear()
+            second = threading.Thread(target=second_pass)
+            second.start()
+            assert not entered.wait(0.3)       # waits for the pass in flight
+            release.set()
+            assert entered.wait(10)
+            first.join()
+            second.join()
+        assert torch.get_num_threads() == 1    # the region's end re-applies the process's own share
