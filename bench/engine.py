@@ -74,12 +74,13 @@ class ForwardClock:
         shared = kwargs.get("shared_kv")
         self._local.pending = {"rows": rows, "query": query, "real": real, "width": width,
                                "shared": shared[0].shape[2] if shared else 0}
-        self._local.t0 = time.perf_counter()
+        self._local.t0 = self._local.pending["start"] = time.perf_counter()
 
     def _after(self, module, args, kwargs, output):
         if next(module.parameters()).device.type == "cuda":
             torch.cuda.synchronize()
-        self._local.pending["seconds"] = time.perf_counter() - self._local.t0
+        self._local.pending["end"] = time.perf_counter()
+        self._local.pending["seconds"] = self._local.pending["end"] - self._local.t0
         self.passes.append(self._local.pending)
         self._local.pending = None
 
@@ -128,14 +129,33 @@ def _cached(cache) -> int:
     return int(cache.get_seq_length()) if cache is not None else 0
 
 
+def machine_seconds(passes: list[dict]) -> list[float]:
+    """Each pass's share of the machine's time: while k passes run at once (the backend's workers), each
+    counts 1/k of that time, so the shares add up to the time any pass ran."""
+    events = sorted({t for p in passes for t in (p["start"], p["end"])})
+    shares = [0.0] * len(passes)
+    by_start = sorted(range(len(passes)), key=lambda i: passes[i]["start"])
+    active: list[int] = []
+    nxt = 0
+    for a, b in zip(events, events[1:]):
+        while nxt < len(by_start) and passes[by_start[nxt]]["start"] <= a:
+            active.append(by_start[nxt])
+            nxt += 1
+        active = [i for i in active if passes[i]["end"] > a]
+        for i in active:
+            shares[i] += (b - a) / len(active)
+    return shares
+
+
 def split_report(passes: list[dict], model, generate_seconds: float, flops: float, bandwidth: float,
-                 kv_dtype: torch.dtype, workers: int = 1) -> dict:
+                 kv_dtype: torch.dtype) -> dict:
     """Prefill and decoding apart, each against its own limit (bench/roofline.py): prefill tokens/s over the
     matmul limit; decoding steps' least time (the larger of FLOPs / matmul throughput and bytes / read
     bandwidth, per step) over their measured time; and backend time outside forward passes (sampling, top-p,
-    stop strings, batch bookkeeping). With `workers` threads computing at once, each on 1/workers of the
-    machine, a pass's seconds count 1/workers: the machine's time it took."""
-    passes = [{**p, "seconds": p["seconds"] / workers} for p in passes]
+    stop strings, batch bookkeeping). Passes that ran at once (`backend.hf.workers`) count their share of the
+    machine's time (`machine_seconds`)."""
+    if passes and "start" in passes[0]:
+        passes = [{**p, "seconds": share} for p, share in zip(passes, machine_seconds(passes))]
     prefill = [p for p in passes if p["query"] > 1]
     decode = [p for p in passes if p["query"] == 1]
     per_token = roofline.flops_per_token(model)
@@ -286,11 +306,11 @@ def main() -> None:
           f"= {hf_processed / limit:.3f} of the limit")
     print(f"calls    : {sum(len(gens) for _, gens in rec.calls)} rows in {len(rec.calls)} backend calls")
     bandwidth = roofline.read_bandwidth(backend.model.device)
-    workers = backend._workers(args.episodes) if args.kv_reuse else 1
-    sp = split_report(clock.passes, backend.model, rec.seconds, flops, bandwidth, backend.kv_dtype, workers)
-    if workers > 1:
-        print(f"workers  : {workers} threads computing at once; a pass's seconds below count 1/{workers} (the "
-              "machine's time it took)")
+    sp = split_report(clock.passes, backend.model, rec.seconds, flops, bandwidth, backend.kv_dtype)
+    overlap = sum(p["seconds"] for p in clock.passes) / max(1e-9, sp["prefill_seconds"] + sp["decode_seconds"])
+    if overlap > 1.01:
+        print(f"workers  : passes ran {overlap:.2f} at a time on average; each counts its share of the machine's "
+              "time below, attention in proportion")
     print(f"prefill  : {sp['prefill_tokens']} tokens ({sp['prefill_fed']} fed with pads) in {sp['prefill_passes']} "
           f"passes, {sp['prefill_seconds']:.2f} s = {sp['prefill_rate']:.0f} tok/s = {sp['prefill_of_limit']:.3f} "
           "of the matmul limit")
@@ -302,7 +322,7 @@ def main() -> None:
     print(f"other    : {sp['outside_seconds']:.2f} s of backend.generate outside forward passes "
           "(sampling, top-p, stop strings, batch bookkeeping)")
     if attention is not None:
-        a, n = {kind: seconds / workers for kind, seconds in attention.seconds.items()}, attention.calls
+        a, n = {kind: seconds / overlap for kind, seconds in attention.seconds.items()}, attention.calls
         print(f"attention: prefill {a['prefill']:.2f} s ({n['prefill']} layer calls) = "
               f"{a['prefill'] / max(sp['prefill_seconds'], 1e-9):.2f} of prefill passes; decoding "
               f"{a['decoding']:.2f} s ({n['decoding']} layer calls) = "

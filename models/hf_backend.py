@@ -274,8 +274,9 @@ class HFBackend:
         with seeded, torch.inference_mode(), threads.computing():
             if params.seed is not None:
                 torch.manual_seed(params.seed)
-            if self.kv_reuse and (workers := self._workers(len(order))) > 1:
-                new_store = self._generate_in_workers(prompts, matches, order, params, start_count, apart, workers,
+            chunks = [order[start:start + self.max_batch_size] for start in range(0, len(order), self.max_batch_size)]
+            if self.kv_reuse and (workers := self._workers(len(chunks))) > 1:
+                new_store = self._generate_in_workers(prompts, matches, chunks, params, start_count, apart, workers,
                                                       results)
                 order = []
             for start in range(0, len(order), self.max_batch_size):
@@ -295,47 +296,47 @@ class HFBackend:
             self._kv_store = new_store
         return results
 
-    def _workers(self, rows: int) -> int:
-        """Threads a kv_reuse call of `rows` conversations computes on at once (`workers`): on CPU, `auto` is 2
-        where this process's share of the cores is 2 or more (models/threads.py), else 1."""
-        if self.device != "cpu" or rows < 2:
+    def _workers(self, chunks: int) -> int:
+        """Threads a kv_reuse call of `chunks` chunks computes on at once (`workers`): on CPU, `auto` is 2 where
+        this process's share of the cores is 2 or more (models/threads.py), else 1; never more than the chunks."""
+        if self.device != "cpu" or chunks < 2:
             return 1
         if self.workers == "auto":
             return 2 if threads.threads_now() >= 2 else 1
-        return min(self.workers, rows)
+        return min(self.workers, chunks)
 
     def _generate_in_workers(self, prompts: list[list[int]], matches: list[tuple[_KVEntry | None, int]],
-                             order: list[int], params: SamplingParams, start_count: int, apart: bool, workers: int,
-                             results: list[Generation | None]) -> list[_KVEntry]:
-        """A kv_reuse call's rows on `workers` threads at once, each running torch on its share of this process's
-        cores: the rows (in `order`, by uncached length) are dealt out in turn, so each worker gets rows of every
-        length, and each worker plays its rows in chunks of at most `max_batch_size`, one after the other. On 2
-        CPU cores two workers on one core each got through a round's rollouts faster than one chunk at a time on
-        both cores, whose threads wait on each other at every operation (docs/performance.md). Each chunk draws
-        from its own random stream, seeded in chunk order from the call's (so a seeded call samples the same
-        tokens however the workers' passes interleave), and each worker keeps keys/values for up to its share of
-        `kv_store_max_tokens` (its share of the rows). Returns the entries kept, in worker order. An error in one
-        worker stops the others at their next token, and is raised here."""
-        sample = params.temperature > 0
-        jobs = []
-        for w in range(workers):
-            rows = order[w::workers]
-            chunks = [rows[start:start + self.max_batch_size] for start in range(0, len(rows), self.max_batch_size)]
-            streams = [torch.Generator().manual_seed(int(torch.randint(2 ** 62, ()))) if sample else None
-                       for _ in chunks]
-            jobs.append((chunks, streams, self.kv_store_max_tokens * len(rows) // len(order)))
-        stores: list[list[_KVEntry]] = [[] for _ in jobs]
+                             chunks: list[list[int]], params: SamplingParams, start_count: int, apart: bool,
+                             workers: int, results: list[Generation | None]) -> list[_KVEntry]:
+        """A kv_reuse call's chunks (the same as one at a time) on `workers` threads at once, each running torch on
+        its share of this process's cores and taking the next chunk when it is done with one; a worker that finds
+        none left hands its cores to those still running (`threads.worker_done`). On 2 CPU cores two workers on one
+        core each got through a round's rollouts faster than one chunk at a time on both cores, whose threads wait
+        on each other at every operation (docs/performance.md). Each chunk draws from its own random stream, seeded
+        in chunk order from the call's (so a seeded call samples the same tokens however the workers' passes
+        interleave), and keeps keys/values for up to its share of `kv_store_max_tokens` (its share of the rows).
+        Returns the entries kept, in chunk order. An error in one worker stops the others at their next token, and
+        is raised here."""
+        rows = sum(len(chunk) for chunk in chunks)
+        streams = [torch.Generator().manual_seed(int(torch.randint(2 ** 62, ()))) if params.temperature > 0 else None
+                   for _ in chunks]
+        stores: list[list[_KVEntry]] = [[] for _ in chunks]
         errors: list[BaseException] = []
-        failed = threading.Event()
+        failed, lock, taken = threading.Event(), threading.Lock(), iter(range(len(chunks)))
 
-        def play(w: int) -> None:
-            chunks, streams, room = jobs[w]
+        def play() -> None:
             try:
                 with torch.inference_mode():
-                    for chunk, stream in zip(chunks, streams):
+                    while True:
+                        with lock:
+                            c = next(taken, None)
+                        if c is None:
+                            break
+                        chunk = chunks[c]
                         generations = self._generate_chunk_reusing(
-                            [prompts[i] for i in chunk], [matches[i] for i in chunk], params, stores[w], start_count,
-                            apart, generator=stream, room=room, abandon=failed)
+                            [prompts[i] for i in chunk], [matches[i] for i in chunk], params, stores[c], start_count,
+                            apart, generator=streams[c], room=self.kv_store_max_tokens * len(chunk) // rows,
+                            abandon=failed)
                         for i, generation in zip(chunk, generations):
                             results[i] = generation
             except _Abandoned:
@@ -343,10 +344,11 @@ class HFBackend:
             except BaseException as e:   # noqa: BLE001 - raised by the calling thread, below
                 errors.append(e)
                 failed.set()
+            finally:
+                threads.worker_done()
 
         with threads.workers(workers):
-            pool = [threading.Thread(target=play, args=(w,), name=f"rsiflow-hf-{w}", daemon=True)
-                    for w in range(workers)]
+            pool = [threading.Thread(target=play, name=f"rsiflow-hf-{w}", daemon=True) for w in range(workers)]
             for thread in pool:
                 thread.start()
             try:
@@ -357,8 +359,9 @@ class HFBackend:
                 raise
         if errors:
             raise errors[0]
-        for i in order:
-            matches[i] = None
+        for chunk in chunks:
+            for i in chunk:
+                matches[i] = None
         return [entry for store in stores for entry in store]
 
     # ---- KV reuse -------------------------------------------------------------------------------------

@@ -206,7 +206,7 @@ def workers(n: int):
     (another process started computing) makes them take turns instead of running more threads than cores."""
     global _workers, _applied
     with _lock:
-        before, _workers, _applied = _workers, max(1, n), None
+        before, _workers, _applied = _workers, max(1, n), None   # `worker_done` counts it down
     try:
         refresh()
         yield
@@ -214,6 +214,16 @@ def workers(n: int):
         with _lock:
             _workers, _applied = before, None
         refresh()
+
+
+def worker_done() -> None:
+    """A worker of a `workers` region has no more work: the others split its share of the cores from their next
+    `refresh` on."""
+    global _workers, _applied
+    with _lock:
+        _workers, _applied = max(1, _workers - 1), None
+    with _turns:
+        _turns.notify_all()
 
 
 @contextlib.contextmanager

@@ -488,7 +488,7 @@ def test_two_workers_generate_what_the_plain_path_does_and_keep_the_store_bounde
             assert all(g.extra["cached_tokens"] > 0 for g in got)
         assert len(backend._kv_store) == len(conversations)
         conversations = _next_turn(conversations, got, turn)
-    assert len({n for n in names if n.startswith("rsiflow-hf")}) == 2 and len(names) == 3 * 4  # 4 + 3 rows a worker
+    assert len({n for n in names if n.startswith("rsiflow-hf")}) == 2 and len(names) == 3 * 4  # 4 chunks a turn
     small = HFBackend(tiny_path, max_batch_size=2, kv_reuse=True, workers=2, kv_store_max_tokens=200)
     conversations = [_start(i) for i in range(4)]
     for turn in range(2):
@@ -540,8 +540,8 @@ def test_an_error_in_one_worker_stops_the_other_before_its_next_token_and_is_rai
         kwargs["abandon"].wait(30)            # the other starts once the failure is known
         return inner(self, prompts, matches, params, *args, **kwargs)
 
-    backend = HFBackend(tiny_path, max_batch_size=4, kv_reuse=True, workers=2)
-    conversations = [_start(i) for i in range(4)]
+    backend = HFBackend(tiny_path, max_batch_size=2, kv_reuse=True, workers=2)
+    conversations = [_start(i) for i in range(4)]   # two chunks
     monkeypatch.setattr(HFBackend, "_generate_chunk_reusing", failing)
     hook = backend.model.register_forward_pre_hook(
         lambda module, args, kwargs: decoding_steps.append(1) if kwargs["input_ids"].shape[1] == 1 else None,
