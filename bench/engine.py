@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import threading
 import time
 from pathlib import Path
 
@@ -55,12 +54,12 @@ class ForwardClock:
     keeps, per pass: rows, query length, real (unpadded) query tokens, context width (cached + new positions,
     pads included), the positions of a prefix all rows attend to from one copy outside the cache (`shared_kv`,
     `backend.hf.shared_prefix_attention`) and seconds. A pass with a one-token query is a decoding step; any
-    other is a prefill. Passes of the backend's workers (`backend.hf.workers`) run at once, each timed in its own
-    thread."""
+    other is a prefill."""
 
     def __init__(self, model: torch.nn.Module):
         self.passes: list[dict] = []
-        self._local = threading.local()   # .t0, .pending: the pass in flight in this thread
+        self._t0 = 0.0
+        self._pending: dict | None = None
         self._hooks = [model.register_forward_pre_hook(self._before, with_kwargs=True),
                        model.register_forward_hook(self._after, with_kwargs=True)]
 
@@ -72,17 +71,16 @@ class ForwardClock:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         width = mask.shape[1] if mask is not None else query + _cached(cache)
         shared = kwargs.get("shared_kv")
-        self._local.pending = {"rows": rows, "query": query, "real": real, "width": width,
-                               "shared": shared[0].shape[2] if shared else 0}
-        self._local.t0 = self._local.pending["start"] = time.perf_counter()
+        self._pending = {"rows": rows, "query": query, "real": real, "width": width,
+                         "shared": shared[0].shape[2] if shared else 0}
+        self._t0 = time.perf_counter()
 
     def _after(self, module, args, kwargs, output):
         if next(module.parameters()).device.type == "cuda":
             torch.cuda.synchronize()
-        self._local.pending["end"] = time.perf_counter()
-        self._local.pending["seconds"] = self._local.pending["end"] - self._local.t0
-        self.passes.append(self._local.pending)
-        self._local.pending = None
+        self._pending["seconds"] = time.perf_counter() - self._t0
+        self.passes.append(self._pending)
+        self._pending = None
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -129,33 +127,12 @@ def _cached(cache) -> int:
     return int(cache.get_seq_length()) if cache is not None else 0
 
 
-def machine_seconds(passes: list[dict]) -> list[float]:
-    """Each pass's share of the machine's time: while k passes run at once (the backend's workers), each
-    counts 1/k of that time, so the shares add up to the time any pass ran."""
-    events = sorted({t for p in passes for t in (p["start"], p["end"])})
-    shares = [0.0] * len(passes)
-    by_start = sorted(range(len(passes)), key=lambda i: passes[i]["start"])
-    active: list[int] = []
-    nxt = 0
-    for a, b in zip(events, events[1:]):
-        while nxt < len(by_start) and passes[by_start[nxt]]["start"] <= a:
-            active.append(by_start[nxt])
-            nxt += 1
-        active = [i for i in active if passes[i]["end"] > a]
-        for i in active:
-            shares[i] += (b - a) / len(active)
-    return shares
-
-
 def split_report(passes: list[dict], model, generate_seconds: float, flops: float, bandwidth: float,
                  kv_dtype: torch.dtype) -> dict:
     """Prefill and decoding apart, each against its own limit (bench/roofline.py): prefill tokens/s over the
     matmul limit; decoding steps' least time (the larger of FLOPs / matmul throughput and bytes / read
     bandwidth, per step) over their measured time; and backend time outside forward passes (sampling, top-p,
-    stop strings, batch bookkeeping). Passes that ran at once (`backend.hf.workers`) count their share of the
-    machine's time (`machine_seconds`)."""
-    if passes and "start" in passes[0]:
-        passes = [{**p, "seconds": share} for p, share in zip(passes, machine_seconds(passes))]
+    stop strings, batch bookkeeping)."""
     prefill = [p for p in passes if p["query"] > 1]
     decode = [p for p in passes if p["query"] == 1]
     per_token = roofline.flops_per_token(model)
@@ -252,8 +229,6 @@ def main() -> None:
                     "ones with half-precision weights)")
     ap.add_argument("--time-attention", action="store_true", help="also time the attention calls (prefill and "
                     "decoding apart) inside the forward passes")
-    ap.add_argument("--workers", default="auto", help="backend.hf.workers: threads a call's chunks run on at once "
-                    "(auto: 2 on a CPU share of 2 or more cores; 1: one chunk at a time on every core)")
     ap.add_argument("--kv-store-tokens", type=int, default=None,
                     help="the hf backend's room for keys/values kept between calls, in tokens (default 65,536)")
     args = ap.parse_args()
@@ -262,7 +237,6 @@ def main() -> None:
     backend = HFBackend(path, max_batch_size=args.batch, kv_reuse=args.kv_reuse, dtype=args.dtype,
                         sampler=args.sampler, packed_linears=not args.no_packed,
                         shared_prefix_attention={"on": True, "off": False}.get(args.shared_prefix_attention, "auto"),
-                        workers=args.workers if args.workers == "auto" else int(args.workers),
                         **({"kv_store_max_tokens": args.kv_store_tokens} if args.kv_store_tokens is not None else {}))
     tasks = make_env("household").sample_tasks("train", args.episodes, args.seed)
     episodes = [Episode(traj_id=f"b{i}", task=t, group_id=t.task_id, sample_idx=0) for i, t in enumerate(tasks)]
@@ -288,7 +262,7 @@ def main() -> None:
     final_ctx = sum(_final_context(backend, e) for e in episodes) / len(episodes)
     print(f"model {args.model}  kv_reuse {args.kv_reuse}  episodes {args.episodes}  max_turns {args.max_turns}  "
           f"batch {args.batch}  max_live {args.max_live}  sampler {args.sampler}  packed {not args.no_packed}  "
-          f"workers {args.workers}  torch threads {torch.get_num_threads()}")
+          f"torch threads {torch.get_num_threads()}")
     print(f"engine   : {sampled} sampled tokens ({kept} kept) in {engine_s:.2f} s = {engine_rate:.1f} tok/s "
           f"(of which backend.generate {rec.seconds:.2f} s)")
     print(f"baseline : the same {sampled} tokens in {base_s:.2f} s = {base_rate:.1f} tok/s (plain model.generate, same "
@@ -307,10 +281,6 @@ def main() -> None:
     print(f"calls    : {sum(len(gens) for _, gens in rec.calls)} rows in {len(rec.calls)} backend calls")
     bandwidth = roofline.read_bandwidth(backend.model.device)
     sp = split_report(clock.passes, backend.model, rec.seconds, flops, bandwidth, backend.kv_dtype)
-    overlap = sum(p["seconds"] for p in clock.passes) / max(1e-9, sp["prefill_seconds"] + sp["decode_seconds"])
-    if overlap > 1.01:
-        print(f"workers  : passes ran {overlap:.2f} at a time on average; each counts its share of the machine's "
-              "time below, attention in proportion")
     print(f"prefill  : {sp['prefill_tokens']} tokens ({sp['prefill_fed']} fed with pads) in {sp['prefill_passes']} "
           f"passes, {sp['prefill_seconds']:.2f} s = {sp['prefill_rate']:.0f} tok/s = {sp['prefill_of_limit']:.3f} "
           "of the matmul limit")
@@ -322,7 +292,7 @@ def main() -> None:
     print(f"other    : {sp['outside_seconds']:.2f} s of backend.generate outside forward passes "
           "(sampling, top-p, stop strings, batch bookkeeping)")
     if attention is not None:
-        a, n = {kind: seconds / overlap for kind, seconds in attention.seconds.items()}, attention.calls
+        a, n = attention.seconds, attention.calls
         print(f"attention: prefill {a['prefill']:.2f} s ({n['prefill']} layer calls) = "
               f"{a['prefill'] / max(sp['prefill_seconds'], 1e-9):.2f} of prefill passes; decoding "
               f"{a['decoding']:.2f} s ({n['decoding']} layer calls) = "

@@ -136,15 +136,6 @@ class HFBackendConfig(Section):
         "turn, so a play of hundreds of long episodes slows down turn after turn (192 household episodes: the 8th "
         "turn ~15x the first). Set it to about 65,536 / the longest context an episode reaches (household: 40).",
     )
-    workers: Literal["auto"] | Annotated[int, Field(ge=1, le=64)] = Field(
-        "auto", description="With kv_reuse on CPU, threads a generate call's conversations run on at once: its rows "
-        "are dealt out among them, each plays its share in chunks of max_batch_size with torch on its part of the "
-        "process's cores (run.threads), and its chunks draw from their own seeded random streams. 'auto' = 2 where "
-        "the process has 2 or more cores, else 1; 1 = one chunk at a time on every core (before 2026-12-08). On 2 "
-        "cores a default round's 48 household rollouts ran 1.44x faster with 2 (each operation's threads no "
-        "longer wait on each other; docs/performance.md). Sampled tokens differ from 1's for the same seed (other "
-        "chunks, other streams), greedy ones only where float rounding flips a near tie.",
-    )
 
 
 class VLLMBackendConfig(Section):

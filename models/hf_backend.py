@@ -44,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -95,10 +94,6 @@ MIN_SHARED_PREFIX = 32
 PREFILL_PASS_TOKENS = 32
 
 
-class _Abandoned(Exception):
-    """A worker of a generate call stops because another one failed (`HFBackend._generate_in_workers`)."""
-
-
 @dataclass
 class _KVEntry:
     """Keys/values of one token sequence, kept between calls: ids (T,) and the keys/values as segments in order
@@ -136,7 +131,7 @@ class HFBackend:
                  device: str | None = None, kv_reuse: bool = False,
                  kv_store_max_tokens: int = DEFAULT_KV_STORE_MAX_TOKENS, trust_remote_code: bool = False,
                  sampler: str = "full", max_live_episodes: int | None = None, packed_linears: bool = True,
-                 shared_prefix_attention: bool | str = "auto", workers: int | str = "auto"):
+                 shared_prefix_attention: bool | str = "auto"):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_live_episodes is not None and max_live_episodes < 1:
@@ -148,9 +143,6 @@ class HFBackend:
         if shared_prefix_attention not in (True, False, "auto"):
             raise ValueError(f"shared_prefix_attention must be true, false or 'auto', got {shared_prefix_attention!r}")
         self.shared_prefix_attention = shared_prefix_attention
-        if workers != "auto" and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
-            raise ValueError(f"workers must be 'auto' or an integer >= 1, got {workers!r}")
-        self.workers = workers
         if kv_store_max_tokens < 0:
             raise ValueError(f"kv_store_max_tokens must be >= 0, got {kv_store_max_tokens}")
         self.max_batch_size = max_batch_size
@@ -274,11 +266,6 @@ class HFBackend:
         with seeded, torch.inference_mode(), threads.computing():
             if params.seed is not None:
                 torch.manual_seed(params.seed)
-            chunks = [order[start:start + self.max_batch_size] for start in range(0, len(order), self.max_batch_size)]
-            if self.kv_reuse and (workers := self._workers(len(chunks))) > 1:
-                new_store = self._generate_in_workers(prompts, matches, chunks, params, start_count, apart, workers,
-                                                      results)
-                order = []
             for start in range(0, len(order), self.max_batch_size):
                 threads.refresh()  # this process's share of the cores (models/threads.py)
                 chunk = order[start:start + self.max_batch_size]
@@ -295,74 +282,6 @@ class HFBackend:
         if self.kv_reuse:
             self._kv_store = new_store
         return results
-
-    def _workers(self, chunks: int) -> int:
-        """Threads a kv_reuse call of `chunks` chunks computes on at once (`workers`): on CPU, `auto` is 2 where
-        this process's share of the cores is 2 or more (models/threads.py), else 1; never more than the chunks."""
-        if self.device != "cpu" or chunks < 2:
-            return 1
-        if self.workers == "auto":
-            return 2 if threads.threads_now() >= 2 else 1
-        return min(self.workers, chunks)
-
-    def _generate_in_workers(self, prompts: list[list[int]], matches: list[tuple[_KVEntry | None, int]],
-                             chunks: list[list[int]], params: SamplingParams, start_count: int, apart: bool,
-                             workers: int, results: list[Generation | None]) -> list[_KVEntry]:
-        """A kv_reuse call's chunks (the same as one at a time) on `workers` threads at once, each running torch on
-        its share of this process's cores and taking the next chunk when it is done with one; a worker that finds
-        none left hands its cores to those still running (`threads.worker_done`). On 2 CPU cores two workers on one
-        core each got through a round's rollouts faster than one chunk at a time on both cores, whose threads wait
-        on each other at every operation (docs/performance.md). Each chunk draws from its own random stream, seeded
-        in chunk order from the call's (so a seeded call samples the same tokens however the workers' passes
-        interleave), and keeps keys/values for up to its share of `kv_store_max_tokens` (its share of the rows).
-        Returns the entries kept, in chunk order. An error in one worker stops the others at their next token, and
-        is raised here."""
-        rows = sum(len(chunk) for chunk in chunks)
-        streams = [torch.Generator().manual_seed(int(torch.randint(2 ** 62, ()))) if params.temperature > 0 else None
-                   for _ in chunks]
-        stores: list[list[_KVEntry]] = [[] for _ in chunks]
-        errors: list[BaseException] = []
-        failed, lock, taken = threading.Event(), threading.Lock(), iter(range(len(chunks)))
-
-        def play() -> None:
-            try:
-                with torch.inference_mode():
-                    while True:
-                        with lock:
-                            c = next(taken, None)
-                        if c is None:
-                            break
-                        chunk = chunks[c]
-                        generations = self._generate_chunk_reusing(
-                            [prompts[i] for i in chunk], [matches[i] for i in chunk], params, stores[c], start_count,
-                            apart, generator=streams[c], room=self.kv_store_max_tokens * len(chunk) // rows,
-                            abandon=failed)
-                        for i, generation in zip(chunk, generations):
-                            results[i] = generation
-            except _Abandoned:
-                pass
-            except BaseException as e:   # noqa: BLE001 - raised by the calling thread, below
-                errors.append(e)
-                failed.set()
-            finally:
-                threads.worker_done()
-
-        with threads.workers(workers):
-            pool = [threading.Thread(target=play, name=f"rsiflow-hf-{w}", daemon=True) for w in range(workers)]
-            for thread in pool:
-                thread.start()
-            try:
-                for thread in pool:
-                    thread.join()
-            except BaseException:   # e.g. KeyboardInterrupt in this thread: the workers stop at their next token
-                failed.set()
-                raise
-        if errors:
-            raise errors[0]
-        for chunk in chunks:
-            for i in chunk:
-                matches[i] = None
-        return [entry for store in stores for entry in store]
 
     # ---- KV reuse -------------------------------------------------------------------------------------
 
@@ -414,9 +333,7 @@ class HFBackend:
 
     def _generate_chunk_reusing(self, prompts: list[list[int]], matches: list[tuple[_KVEntry | None, int]],
                                 params: SamplingParams, new_store: list[_KVEntry],
-                                start_count: int, apart: bool, generator: torch.Generator | None = None,
-                                room: int | None = None, abandon: threading.Event | None = None
-                                ) -> list[Generation]:
+                                start_count: int, apart: bool) -> list[Generation]:
         """Prefill each row's uncached tokens after its reused keys/values, then decode token by token
         (`Interrupted` between two tokens once rsiflow is stopping: `start_count` as in models.backend).
 
@@ -424,9 +341,6 @@ class HFBackend:
         (C, N: the chunk's largest); pads are masked, and position ids count only real tokens, so each row sees
         exactly its own sequence. Rows whose lengths differ widely are prefilled in groups (`prefill_groups`).
         With `apart`, a shared prefix all rows reuse is attended apart (`_prefix_to_attend_apart`).
-        `generator`: the random stream sampled tokens are drawn from (None: torch's default one); `room`: the
-        tokens of keys/values `new_store` may hold (None: `kv_store_max_tokens`); `abandon`: once set (another
-        worker of the call failed), `_Abandoned` is raised before the next token.
         """
         device = self.device
         batch = len(prompts)
@@ -492,29 +406,25 @@ class HFBackend:
         temperature_only = _warpers(params, top_p=False)
         results: list[Generation | None] = [None] * batch
         active = order  # chunk rows still in the batch, in batch order
-        budget = (self.kv_store_max_tokens if room is None else room) - sum(len(e.ids) for e in new_store)
+        budget = self.kv_store_max_tokens - sum(len(e.ids) for e in new_store)
         for step in range(params.max_new_tokens):
             raise_if_interrupted(start_count, "hf")
-            if abandon is not None and abandon.is_set():
-                raise _Abandoned
             threads.refresh()  # re-counted every step: another process may have started or stopped computing
             # Drawn in the chunk's row order whatever order the batch holds its rows in (prefill groups,
             # `fill_holes`), so a seeded call samples the same tokens as with the rows in order.
             draw_order = sorted(range(len(active)), key=active.__getitem__) if sample else None
             if sample and self.sampler == "nucleus":
                 sampled, sampled_logprobs, sampled_temp = sample_nucleus(logits, params.temperature, params.top_p,
-                                                                         draw_order, generator=generator)
+                                                                         draw_order)
             else:
                 scores = warpers(None, logits)
                 if not sample:
                     sampled = torch.argmax(scores, dim=-1)
                 elif draw_order == list(range(len(active))):
-                    sampled = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1,
-                                                generator=generator).squeeze(1)
+                    sampled = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
                 else:
                     draw = torch.tensor(draw_order, device=device)
-                    drawn = torch.multinomial(torch.softmax(scores[draw], dim=-1), num_samples=1,
-                                              generator=generator).squeeze(1)
+                    drawn = torch.multinomial(torch.softmax(scores[draw], dim=-1), num_samples=1).squeeze(1)
                     sampled = torch.empty_like(drawn).index_copy_(0, draw, drawn)
                 sampled_logprobs = torch.log_softmax(scores, dim=-1).gather(1, sampled[:, None]).squeeze(1)
                 if sample:
@@ -552,10 +462,8 @@ class HFBackend:
                 mask, next_position, sampled = mask[index], next_position[index], sampled[index]
                 active = [active[b] for b in keep]
             mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
-            with threads.turn():
-                out = self.model(input_ids=sampled[:, None], attention_mask=mask,
-                                 position_ids=next_position[:, None], cache=cache, use_cache=True, logits_to_keep=1,
-                                 **shared_kv)
+            out = self.model(input_ids=sampled[:, None], attention_mask=mask, position_ids=next_position[:, None],
+                             cache=cache, use_cache=True, logits_to_keep=1, **shared_kv)
             logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
             del out
             next_position = next_position + 1
@@ -605,9 +513,8 @@ class HFBackend:
                              for c, x in zip(cached, part)], device=device)
         positions = torch.tensor([[0] * (n_max - len(x)) + list(range(skip + c, skip + c + len(x)))
                                   for c, x in zip(cached, part)], device=device)
-        with threads.turn():
-            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,
-                             use_cache=True, logits_to_keep=1, **({"shared_kv": shared_kv} if shared_kv else {}))
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,
+                         use_cache=True, logits_to_keep=1, **({"shared_kv": shared_kv} if shared_kv else {}))
         return cache, out.logits[:, -1].to(copy=True, dtype=torch.float32)
 
     @staticmethod
@@ -899,8 +806,7 @@ def _attend_to_shared_prefix(module, query: torch.Tensor, key: torch.Tensor, val
 
 
 _SLOW_BF16_SAID: list = []   # the warning that bfloat16 is emulated on this CPU, said once a process
-_LAST_MASK = threading.local()   # .last: the last mask `_additive_mask` converted in this thread (a weak reference),
-# its result and its blind queries
+_LAST_MASK: list = [None, None, None]   # the last mask `_additive_mask` converted (a weak reference) and its result
 
 
 def _additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -909,7 +815,7 @@ def _additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch
     of a forward pass gets the same mask tensor: it is converted once, for the first layer."""
     if mask is None:
         return None, None
-    last, converted, blind = getattr(_LAST_MASK, "last", (None, None, None))
+    last, converted, blind = _LAST_MASK
     if last is not None and last() is mask and converted.dtype == dtype:
         return converted, blind
     if mask.dtype == torch.bool:
@@ -917,9 +823,8 @@ def _additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch
     else:
         converted = mask.to(dtype)
     blind = torch.isneginf(converted).all(-1)
-    blind = blind if blind.any() else None
-    _LAST_MASK.last = (weakref.ref(mask), converted, blind)
-    return converted, blind
+    _LAST_MASK[:] = [weakref.ref(mask), converted, blind if blind.any() else None]
+    return converted, _LAST_MASK[2]
 
 
 def _sdpa_in_float32(module, query, key, value, attention_mask, **kwargs):
@@ -986,8 +891,7 @@ def _ranked_nucleus(probs: torch.Tensor, top_p: float, first_k: int) -> tuple[to
 
 
 def sample_nucleus(logits: torch.Tensor, temperature: float, top_p: float, draw_order: list[int] | None = None,
-                   first_k: int = 128, generator: torch.Generator | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   first_k: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token per row from the nucleus (top-p) of softmax(logits / temperature), drawn among the nucleus's
     tokens only: returns (tokens, their logprobs under the nucleus distribution, their logprobs at the
     temperature alone), the first two as `NucleusWarper` then `torch.multinomial` would give, in distribution.
@@ -997,12 +901,11 @@ def sample_nucleus(logits: torch.Tensor, temperature: float, top_p: float, draw_
     number per nucleus token instead of multinomial's one per vocabulary entry (49,152 for SmolLM2), which was
     most of a sampling step's cost outside the model. Probabilities are float64, as in `NucleusWarper`.
     `draw_order`: the order in which rows take their random numbers (default: as given), so a seeded call draws
-    the same tokens whatever order the batch holds its rows in; `generator`: the random stream (None: torch's
-    default one)."""
+    the same tokens whatever order the batch holds its rows in."""
     logp = (logits.double() / temperature).log_softmax(dim=-1)
     top, index, kept = _ranked_nucleus(logp.exp(), top_p, first_k)
     kept_p = top.where(kept, torch.zeros((), dtype=top.dtype, device=top.device))
-    times = torch.empty_like(kept_p).exponential_(generator=generator)
+    times = torch.empty_like(kept_p).exponential_()
     if draw_order is not None and draw_order != list(range(len(draw_order))):
         times = torch.empty_like(times).index_copy_(0, torch.tensor(draw_order, device=times.device), times)
     choice = (kept_p / times.clamp_min(torch.finfo(times.dtype).tiny)).argmax(dim=-1, keepdim=True)

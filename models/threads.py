@@ -57,9 +57,6 @@ _late_spin_counts: set[str] = set()   # run.omp_spin_count values already report
 # Seconds after this process last saw another one computing before it takes every core again (threads_now).
 GROW_AFTER_S = 5.0
 _last_shared = -math.inf   # time.monotonic() when threads_now last counted another computing process
-_workers = 1   # threads of this process computing at once (`workers`)
-_busy = 0      # forward passes of those running now (`turn`)
-_turns = threading.Condition()
 
 
 def machine_cores() -> int:
@@ -185,10 +182,9 @@ def threads_now() -> int:
 
 
 def refresh() -> int:
-    """Set torch's thread count to the policy's figure if it changed (divided among the workers of a `workers`
-    region); returns it."""
+    """Set torch's thread count to the policy's figure if it changed; returns it."""
     global _applied
-    n = max(1, threads_now() // _workers)
+    n = threads_now()
     if n != _applied:
         import torch
 
@@ -196,54 +192,6 @@ def refresh() -> int:
             torch.set_num_threads(n)
             _applied = n
     return n
-
-
-@contextlib.contextmanager
-def workers(n: int):
-    """A region in which `n` threads of this process compute at once (the hf backend's chunks of one call, each
-    on its own thread): torch's intra-op threads are the process's share divided among them, and `turn` keeps
-    at most as many forward passes running at once as the share has cores, so a share that drops while they run
-    (another process started computing) makes them take turns instead of running more threads than cores."""
-    global _workers, _applied
-    with _lock:
-        before, _workers, _applied = _workers, max(1, n), None   # `worker_done` counts it down
-    try:
-        refresh()
-        yield
-    finally:
-        with _lock:
-            _workers, _applied = before, None
-        refresh()
-
-
-def worker_done() -> None:
-    """A worker of a `workers` region has no more work: the others split its share of the cores from their next
-    `refresh` on."""
-    global _workers, _applied
-    with _lock:
-        _workers, _applied = max(1, _workers - 1), None
-    with _turns:
-        _turns.notify_all()
-
-
-@contextlib.contextmanager
-def turn():
-    """One forward pass of a worker inside a `workers` region: waits while as many passes run as this process has
-    cores now (outside such a region: nothing to wait for)."""
-    global _busy
-    if _workers <= 1:
-        yield
-        return
-    with _turns:
-        while _busy >= threads_now():
-            _turns.wait(0.05)
-        _busy += 1
-    try:
-        yield
-    finally:
-        with _turns:
-            _busy -= 1
-            _turns.notify_all()
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ OPERATIONAL = (
     "run.rounds", "run.store", "run.run_dir", "run.model_cache", "prefect", "train.report_to", "train.keep_candidates",
     "run.lake_data_path", "run.threads", "run.omp_spin_count",
     "backend.hf.max_batch_size", "backend.hf.kv_reuse", "backend.hf.max_live_episodes",
-    "backend.hf.packed_linears", "backend.hf.shared_prefix_attention", "backend.hf.workers",
+    "backend.hf.packed_linears", "backend.hf.shared_prefix_attention",
     "backend.vllm.python", "backend.vllm.kv_cache_gib", "backend.vllm.gpu_memory_utilization",
     "backend.vllm.enforce_eager", "backend.vllm.threads", "backend.vllm.start_timeout",
     "backend.openai.base_url", "backend.openai.api_key_env", "backend.openai.timeout", "backend.openai.retries",

@@ -14,8 +14,7 @@
 # SEED=S runs every round with `--set run.seed=S` (default: the config's seed), and ONLY_DEFAULT=1 runs the old code
 # and this checkout's default only: a round that draws a success trains and gates a candidate (several times the
 # work), so an equal-work comparison needs a seed on which neither code's first round draws one (see
-# docs/performance.md). ONE_WORKER=1 adds this checkout with `backend.hf.workers=1` (one chunk at a time, as before
-# 2026-12-08) after its default; PASSES=N runs N passes instead of 2.
+# docs/performance.md).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."   # the repository root
 ROOT=$PWD OLD=${OLD:-62a44c2}
@@ -27,15 +26,11 @@ git archive "$OLD" | tar -x -C "$tmp" && cp -a .venv "$tmp/.venv"
 sed -i "s|$ROOT|$tmp|g" "$tmp"/.venv/lib/python*/site-packages/__editable___rsiflow_*_finder.py
 export PREFECT_SERVER_ANALYTICS_ENABLED=false TOKENIZERS_PARALLELISM=false
 {
-  for pass in $(seq "${PASSES:-2}"); do
+  for pass in 1 2; do
     echo "== pass $pass: $OLD: python -m bench.round (configs/default.yaml) ${SEED_SET[*]}"
     (cd "$tmp" && PREFECT_HOME="$tmp/prefect-old" .venv/bin/python -m bench.round "${SEED_SET[@]}")
     echo "== pass $pass: $(git rev-parse --short HEAD): python -m bench.round ${SEED_SET[*]}"
     PREFECT_HOME="$tmp/prefect-new" .venv/bin/python -m bench.round "${SEED_SET[@]}"
-    if [ -n "${ONE_WORKER:-}" ]; then
-      echo "== pass $pass: $(git rev-parse --short HEAD): python -m bench.round ${SEED_SET[*]} --set backend.hf.workers=1"
-      PREFECT_HOME="$tmp/prefect-one" .venv/bin/python -m bench.round "${SEED_SET[@]}" --set backend.hf.workers=1
-    fi
     [ -n "${ONLY_DEFAULT:-}" ] && continue
     echo "== pass $pass: $(git rev-parse --short HEAD): python -m bench.round ${SEED_SET[*]} --set backend.hf.shared_prefix_attention=false"
     PREFECT_HOME="$tmp/prefect-nospa" .venv/bin/python -m bench.round "${SEED_SET[@]}" \
