@@ -81,24 +81,26 @@ def record(backend: HFBackend, episodes: int, max_turns: int, temperature: float
     return chunks
 
 
-def pass_seconds(model, cached: int, new: int, rows: int = 10, repeats: int = 4) -> float:
-    """Least time of a forward pass of `rows` rows x `new` tokens after `cached` positions in the engine's cache."""
+def pass_seconds(model, cached: int, news: list[int], rows: int = 10, repeats: int = 4) -> list[float]:
+    """Least time of a forward pass of `rows` rows x n new tokens after `cached` positions in the engine's cache,
+    for each n of `news` (the cached positions prefilled once)."""
     cache = DynamicCache(config=model.config)
-    cache.layers = [ReservedCacheLayer(cached + 64) for _ in cache.layers]
+    cache.layers = [ReservedCacheLayer(cached + max(news)) for _ in cache.layers]
     ids = torch.randint(100, 1000, (rows, cached))
+    best = [float("inf")] * len(news)
     with torch.inference_mode():
         model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True, logits_to_keep=1)
-        best = float("inf")
         for _ in range(repeats):
-            step = torch.randint(100, 1000, (rows, new))
-            mask = torch.ones(rows, cached + new, dtype=torch.long)
-            positions = torch.arange(cached, cached + new)[None].expand(rows, new)
-            t0 = time.perf_counter()
-            model(input_ids=step, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                  logits_to_keep=new)
-            best = min(best, time.perf_counter() - t0)
-            for layer in cache.layers:   # forget the pass's tokens
-                layer.fill(layer.length - new)
+            for j, new in enumerate(news):
+                step = torch.randint(100, 1000, (rows, new))
+                mask = torch.ones(rows, cached + new, dtype=torch.long)
+                positions = torch.arange(cached, cached + new)[None].expand(rows, new)
+                t0 = time.perf_counter()
+                model(input_ids=step, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                      logits_to_keep=new)
+                best[j] = min(best[j], time.perf_counter() - t0)
+                for layer in cache.layers:   # forget the pass's tokens
+                    layer.fill(layer.length - new)
     return best
 
 
@@ -117,9 +119,9 @@ def main() -> None:
           f"{torch.get_num_threads()}")
     costs = {}
     for cached in (600, 1000):
-        one = pass_seconds(backend.model, cached, 1)
-        for k in ks:
-            costs.setdefault(k, []).append(pass_seconds(backend.model, cached, 1 + k) / one)
+        one, *verifying = pass_seconds(backend.model, cached, [1, *(1 + k for k in ks)])
+        for k, seconds in zip(ks, verifying):
+            costs.setdefault(k, []).append(seconds / one)
         print(f"a decoding step of 10 rows over {cached} positions: {one * 1e3:.0f} ms; a verifying pass of 1 + k "
               "tokens: " + ", ".join(f"k={k} {costs[k][-1]:.2f}x" for k in ks))
     for label, temperature in (("greedy", 0.0), ("sampled", 1.0)):
