@@ -26,18 +26,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 from transformers.generation.logits_process import TopPLogitsWarper
 
+from bench.cli import add_model_args, model_path
 from bench.engine import Recorder
 from rsiflow.envs import make_env
 from rsiflow.envs.rollout import Episode, run_episodes
 from rsiflow.models.backend import SamplingParams
 from rsiflow.models.hf_backend import FLOAT32_SDPA, HFBackend, NucleusWarper, ReservedCacheLayer, sample_nucleus
-from rsiflow.models.loading import resolve_base_model
 
 
 def played_logits(backend: HFBackend, rec: Recorder) -> tuple[torch.Tensor, int]:
@@ -91,8 +90,7 @@ def decode_step_ms(model, batch: int, context: int, steps: int = 8, reserved: bo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="embedded:smollm2-135m-instruct")
-    ap.add_argument("--cache", default="~/.cache/rsiflow")
+    add_model_args(ap)
     ap.add_argument("--episodes", type=int, default=16)
     ap.add_argument("--turns", type=int, default=2)
     ap.add_argument("--batch", type=int, default=16, help="rows per sampling step (the engine's decode batch)")
@@ -102,7 +100,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="300,1200", help="contexts (tokens) of the cache comparison")
     args = ap.parse_args()
 
-    path = resolve_base_model(args.model, Path(args.cache).expanduser())
+    path = model_path(args)
     backend = HFBackend(path, max_batch_size=args.batch, kv_reuse=True)
     tasks = make_env("household").sample_tasks("train", args.episodes, args.seed)
     episodes = [Episode(traj_id=f"s{i}", task=t, group_id=t.task_id, sample_idx=0) for i, t in enumerate(tasks)]

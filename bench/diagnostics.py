@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
 
 from bench import roofline
+from bench.cli import add_model_args, model_path
 from bench.train import expert_rows
 from rsiflow.models.encoding import tokenize_conversation
-from rsiflow.models.loading import load_model_and_tokenizer, resolve_base_model
+from rsiflow.models.loading import load_model_and_tokenizer
 from rsiflow.models.shared_prefix import shared_prefix_length
 from rsiflow.tasks.diagnostics import _action_logprobs
 
@@ -43,15 +43,14 @@ def full_passes(model, tokenizer, conversations: list[tuple[list[dict], int]]) -
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="embedded:smollm2-135m-instruct")
-    ap.add_argument("--cache", default="~/.cache/rsiflow")
+    add_model_args(ap)
     ap.add_argument("--conversations", type=int, default=24, help="as many as the default diagnostics.kl_tasks")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs of each path (the best is reported)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    path = str(resolve_base_model(args.model, Path(args.cache).expanduser()))
+    path = str(model_path(args))
     convs = [(r["messages"], r["train_from"]) for r in expert_rows(args.conversations, args.seed)]
     model, tokenizer = load_model_and_tokenizer(path, dtype=args.dtype)
     encoded = [tokenize_conversation(tokenizer, m, t) for m, t in convs]

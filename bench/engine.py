@@ -36,17 +36,16 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from pathlib import Path
 
 import torch
 from transformers import GenerationConfig
 
 from bench import roofline
+from bench.cli import add_model_args, model_path
 from rsiflow.envs import make_env
 from rsiflow.envs.rollout import Episode, run_episodes
 from rsiflow.models.backend import SamplingParams
 from rsiflow.models.hf_backend import HFBackend
-from rsiflow.models.loading import resolve_base_model
 
 
 class ForwardClock:
@@ -203,8 +202,7 @@ def baseline_seconds(backend: HFBackend, calls, params: SamplingParams) -> tuple
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="embedded:smollm2-135m-instruct")
-    ap.add_argument("--cache", default="~/.cache/rsiflow")
+    add_model_args(ap)
     ap.add_argument("--episodes", type=int, default=16)
     ap.add_argument("--max-turns", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=16)
@@ -233,7 +231,7 @@ def main() -> None:
                     help="the hf backend's room for keys/values kept between calls, in tokens (default 65,536)")
     args = ap.parse_args()
 
-    path = resolve_base_model(args.model, Path(args.cache).expanduser())
+    path = model_path(args)
     backend = HFBackend(path, max_batch_size=args.batch, kv_reuse=args.kv_reuse, dtype=args.dtype,
                         sampler=args.sampler, packed_linears=not args.no_packed,
                         shared_prefix_attention={"on": True, "off": False}.get(args.shared_prefix_attention, "auto"),

@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
+from bench.cli import add_model_args, model_path
 from rsiflow.envs import make_env
 from rsiflow.envs.rollout import Episode, run_episodes
 from rsiflow.models.backend import SamplingParams
 from rsiflow.models.hf_backend import HFBackend, ReservedCacheLayer
-from rsiflow.models.loading import resolve_base_model
 
 
 def draft(context: list[int], k: int, longest: int = 3) -> list[int]:
@@ -106,14 +105,13 @@ def pass_seconds(model, cached: int, news: list[int], rows: int = 10, repeats: i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="embedded:smollm2-135m-instruct")
-    ap.add_argument("--cache", default="~/.cache/rsiflow")
+    add_model_args(ap)
     ap.add_argument("--episodes", type=int, default=16)
     ap.add_argument("--max-turns", type=int, default=6)
     ap.add_argument("--ks", default="2,4,8", help="draft lengths to estimate")
     args = ap.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
-    path = resolve_base_model(args.model, Path(args.cache).expanduser())
+    path = model_path(args)
     backend = HFBackend(path, max_batch_size=16, kv_reuse=True, sampler="nucleus")
     print(f"model {args.model}  episodes {args.episodes}  max_turns {args.max_turns}  torch threads "
           f"{torch.get_num_threads()}")

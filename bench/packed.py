@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
+from bench.cli import add_model_args, model_path
 from bench.engine import ForwardClock, Recorder
 from rsiflow.envs import make_env
 from rsiflow.envs.rollout import Episode, run_episodes
 from rsiflow.models.backend import SamplingParams
 from rsiflow.models.hf_backend import HFBackend
-from rsiflow.models.loading import resolve_base_model
 
 
 def play(path: Path, packed: bool, dtype: str, tasks: list, params: SamplingParams, max_turns: int) -> dict:
@@ -54,14 +54,13 @@ def compare(a: list[Episode], b: list[Episode]) -> tuple[int, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="embedded:smollm2-135m-instruct")
-    ap.add_argument("--cache", default="~/.cache/rsiflow")
+    add_model_args(ap)
     ap.add_argument("--episodes", type=int, default=16)
     ap.add_argument("--max-turns", type=int, default=6)
     ap.add_argument("--dtype", default="float32", help="the backend's dtype (float32, bfloat16)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    path = resolve_base_model(args.model, Path(args.cache).expanduser())
+    path = model_path(args)
     tasks = make_env("household").sample_tasks("train", args.episodes, args.seed)
     print(f"model {args.model}  dtype {args.dtype}  episodes {args.episodes}  max_turns {args.max_turns}  "
           f"torch threads {torch.get_num_threads()}")

@@ -23,11 +23,12 @@ import torch
 from transformers import AutoTokenizer
 
 from bench import roofline
+from bench.cli import add_model_args, model_path
 from rsiflow.configs.schema import TrainConfig
 from rsiflow.envs import make_env
 from rsiflow.envs.rollout import prompt_prefix, render_observation
 from rsiflow.models.encoding import encode_rows
-from rsiflow.models.loading import load_model_and_tokenizer, resolve_base_model
+from rsiflow.models.loading import load_model_and_tokenizer
 from rsiflow.models.trainer import train_candidate
 
 
@@ -55,8 +56,7 @@ def expert_rows(n: int, seed: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="embedded:smollm2-135m-instruct")
-    ap.add_argument("--cache", default="~/.cache/rsiflow")
+    add_model_args(ap)
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--epochs", type=float, default=1.0)
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    path = resolve_base_model(args.model, Path(args.cache).expanduser())
+    path = model_path(args)
     rows = expert_rows(args.rows, args.seed)
     cfg = TrainConfig(learning_rate=1e-5, epochs=args.epochs, batch_size=args.batch_size)
     encoded, _ = encode_rows(AutoTokenizer.from_pretrained(path), rows, cfg.max_length)
